@@ -1,0 +1,39 @@
+"""One exception family for everything a user can get wrong.
+
+Front ends catch `EngineError` and print its message in one line; anything else is a bug.
+Messages name the file or field and say what is wrong, so the user can act on them.
+"""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of every error the engine reports to a user."""
+
+
+class ModelFormatError(EngineError):
+    """A model file or folder is missing, truncated, corrupt or inconsistent."""
+
+
+class UnsupportedModelError(EngineError):
+    """The model is well-formed but uses an architecture or format we do not run."""
+
+
+class InsufficientMemoryError(EngineError):
+    """The weights would not fit in the memory available; checked before loading."""
+
+
+class TemplateError(EngineError):
+    """A chat template failed to render or tried to escape the sandbox."""
+
+
+class PromptError(EngineError):
+    """The prompt is empty, malformed or longer than the context window."""
+
+
+class IncompatibleDraftError(EngineError):
+    """A draft model cannot be paired with the target (tokenizers differ)."""
+
+
+class DemoModelMissingError(EngineError):
+    """The built-in demo model package is not installed."""

@@ -1,0 +1,137 @@
+"""The event contract between the decode loop and every consumer (CLI, GUI, bench).
+
+Frozen dataclasses only: the GUI receives these across threads and stores them, so they
+must never change after they are built, and they never hold an `mx.array`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class TokenKind(str, Enum):
+    """The fate of one displayed token."""
+
+    TARGET = "target"  # plain decoding: the target's own token
+    ACCEPTED = "accepted"  # a draft token the target agreed with
+    REJECTED = "rejected"  # a draft token discarded; shown, never committed
+    REPLACED = "replaced"  # the target's token at the first rejected position
+    BONUS = "bonus"  # the target's extra token after every draft passed
+
+    @property
+    def committed(self) -> bool:
+        return self is not TokenKind.REJECTED
+
+
+@dataclass(frozen=True)
+class Token:
+    """One token as the user sees it.
+
+    `text` is the exact text this token adds to the reply (empty while a multi-byte
+    character is incomplete; the completing token carries it). `prob` is the target's
+    probability of this token (None where it was not computed).
+    """
+
+    id: int
+    text: str
+    kind: TokenKind
+    prob: float | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One target forward pass and what it decided, tokens in display order."""
+
+    tokens: tuple[Token, ...]
+    n_drafted: int = 0
+    n_accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    k: int = 0  # draft length asked for in this step (0 for plain decoding)
+    drafter: str = "none"
+
+    @property
+    def committed(self) -> tuple[Token, ...]:
+        return tuple(t for t in self.tokens if t.kind.committed)
+
+    @property
+    def text(self) -> str:
+        """The text this step commits to the reply."""
+        return "".join(t.text for t in self.tokens if t.kind.committed)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Running totals for one reply; a new instance after every step.
+
+    `decode_tps` is wall-time tokens per second since the first decode step, so bursts of
+    accepted tokens never show as spikes. `tau` is committed tokens per target pass.
+    """
+
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens actually computed (less with prefix reuse)
+    prompt_s: float = 0.0
+    generated_tokens: int = 0
+    decode_s: float = 0.0
+    target_passes: int = 0
+    n_drafted: int = 0
+    n_accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    peak_memory_bytes: int = 0
+    finish_reason: str | None = None  # "eos" | "length" | "stop" | "cancelled" | None while running
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prefilled_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.generated_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    def as_dict(self) -> dict[str, float | int | str | None]:
+        """The JSON shape the CLI and bench print (`--json`)."""
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "prefilled_tokens": self.prefilled_tokens,
+            "generated_tokens": self.generated_tokens,
+            "prompt_tps": self.prompt_tps,
+            "decode_tps": self.decode_tps,
+            "target_passes": self.target_passes,
+            "tau": self.tau,
+            "acceptance": self.acceptance,
+            "drafted": self.n_drafted,
+            "accepted": self.n_accepted,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "prompt_s": self.prompt_s,
+            "decode_s": self.decode_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "finish_reason": self.finish_reason,
+        }
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """Prefill progress, reported once per chunk."""
+
+    done: int
+    total: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Sent once when a reply ends; carries the final totals."""
+
+    stats: Stats
+    text: str
+    token_ids: tuple[int, ...] = field(default_factory=tuple)

@@ -1,0 +1,233 @@
+"""One decoder-only transformer for llama, qwen2 and qwen3 checkpoints.
+
+The three differ only in small switches read from `config.json`: qwen2 adds biases to the
+q/k/v projections, qwen3 normalises q and k per head, llama3 rescales RoPE frequencies.
+Module attribute names equal the checkpoint keys, so loading needs no rename table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.cache import KVCache
+from engine.errors import ModelFormatError, UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelArgs:
+    """The config.json fields the decoder reads; defaults filled in `__post_init__`."""
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool | None = None
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"config.json: model_type {self.model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.attention_bias is None:
+            self.attention_bias = self.model_type == "qwen2"
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelFormatError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) is not a "
+                f"multiple of num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> ModelArgs:
+        """Build from a parsed config.json, keeping unknown fields in `extra`."""
+        names = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        missing = [n for n in ("model_type", "hidden_size", "num_hidden_layers",
+                               "intermediate_size", "num_attention_heads", "vocab_size")
+                   if n not in config]
+        if missing:
+            raise ModelFormatError(f"config.json: missing field(s) {', '.join(missing)}")
+        known = {k: v for k, v in config.items() if k in names}
+        extra = {k: v for k, v in config.items() if k not in names}
+        try:
+            return cls(**known, extra=extra)
+        except TypeError as e:
+            raise ModelFormatError(f"config.json: {e}") from e
+
+
+def rope_frequencies(args: ModelArgs) -> mx.array | None:
+    """Per-dimension RoPE frequencies for llama3 scaling, else None (plain `base`)."""
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "llama3":
+        raise UnsupportedModelError(f"config.json: rope_scaling type {kind!r} is not supported")
+    dims = args.head_dim
+    assert dims is not None
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling.get("original_max_position_embeddings", 8192)
+    low_wavelen = old_ctx / low
+    high_wavelen = old_ctx / high
+    freqs = args.rope_theta ** (mx.arange(0, dims, 2) / dims)  # (dims/2,) as periods/2pi
+    wavelens = 2 * math.pi * freqs
+    freqs = mx.where(wavelens > low_wavelen, freqs * factor, freqs)
+    smooth = (old_ctx / wavelens - low) / (high - low)
+    smoothed = freqs / ((1 - smooth) / factor + smooth)
+    is_medium = (wavelens <= low_wavelen) & (wavelens >= high_wavelen)
+    return mx.where(is_medium, smoothed, freqs)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        assert args.head_dim is not None and args.num_key_value_heads is not None
+        self.n_heads = args.num_attention_heads
+        self.n_kv_heads = args.num_key_value_heads
+        self.head_dim = args.head_dim
+        self.scale = args.head_dim**-0.5
+        bias = bool(args.attention_bias)
+        D = args.hidden_size
+        self.q_proj = nn.Linear(D, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, D, bias=False)
+        if args.qk_norm:
+            self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+            self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
+        self._freqs = rope_frequencies(args)
+        self._base = None if self._freqs is not None else args.rope_theta
+
+    def __call__(
+        self, x: mx.array, mask: mx.array | str | None = None, cache: KVCache | None = None
+    ) -> mx.array:
+        B, L, D = x.shape
+        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
+        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        if "q_norm" in self:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.transpose(0, 2, 1, 3)  # (B, heads, L, head_dim)
+        k = k.transpose(0, 2, 1, 3)  # (B, kv_heads, L, head_dim)
+        v = v.transpose(0, 2, 1, 3)
+        offset = cache.offset if cache is not None else 0
+        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self._base, scale=1.0,
+                         offset=offset, freqs=self._freqs)
+        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self._base, scale=1.0,
+                         offset=offset, freqs=self._freqs)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, heads * head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        D, H, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
+        self.gate_proj = nn.Linear(D, H, bias=bias)
+        self.up_proj = nn.Linear(D, H, bias=bias)
+        self.down_proj = nn.Linear(H, D, bias=bias)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self_attn = Attention(args)
+        self.mlp = MLP(args)
+        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(
+        self, x: mx.array, mask: mx.array | str | None = None, cache: KVCache | None = None
+    ) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        mask: mx.array | str | None = None,
+        cache: list[KVCache] | None = None,
+        n_layers: int | None = None,
+    ) -> mx.array:
+        B, L = inputs.shape
+        h = self.embed_tokens(inputs)  # (B, L, D)
+        if mask is None and L > 1:
+            mask = "causal"
+        layers = self.layers if n_layers is None else self.layers[:n_layers]
+        for i, layer in enumerate(layers):
+            h = layer(h, mask, cache[i] if cache is not None else None)
+        return self.norm(h)
+
+
+class Model(nn.Module):
+    """Token ids (B, L) -> logits (B, L, vocab)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model_type = args.model_type
+        self.model = Backbone(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    @property
+    def n_layers(self) -> int:
+        return self.args.num_hidden_layers
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        mask: mx.array | str | None = None,
+        cache: list[KVCache] | None = None,
+        n_layers: int | None = None,
+    ) -> mx.array:
+        """Run the first `n_layers` layers (all by default), then the final norm and head.
+
+        `n_layers` is how the layer-skip drafter reuses the target's own early layers.
+        """
+        h = self.model(inputs, mask, cache, n_layers)
+        if "lm_head" in self:
+            return self.lm_head(h)
+        return self.model.embed_tokens.as_linear(h)

@@ -1,0 +1,36 @@
+"""Where Understudy keeps its own files.
+
+Everything lives under the platform app-data directory (platformdirs). The environment
+variable UNDERSTUDY_DATA_DIR overrides it, so tests and portable installs stay isolated.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import platformdirs
+
+APP_NAME = "Understudy"
+
+
+def app_data_dir() -> Path:
+    """The root of Understudy's data (created on first use)."""
+    override = os.environ.get("UNDERSTUDY_DATA_DIR")
+    root = Path(override) if override else Path(platformdirs.user_data_dir(APP_NAME, False))
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def models_dir() -> Path:
+    """Imported models (GGUF conversions, the demo model) live here as HF-style folders."""
+    d = app_data_dir() / "models"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def cache_dir() -> Path:
+    """Small derived files (calibration results) that can be rebuilt at any time."""
+    d = app_data_dir() / "cache"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
