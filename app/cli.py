@@ -1,0 +1,277 @@
+"""The `understudy` command: no arguments opens the GUI; subcommands work headless.
+
+Engine imports are deferred until after `ensure_openblas`, which may re-exec the process
+with the fast BLAS preloaded; an `EngineError` is printed in one line and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from app.launcher import ensure_openblas
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="demo",
+                   help="model folder, HF repo id in the local HF cache, or 'demo' (default)")
+    p.add_argument("--draft", default=None, help="draft model for --drafter model/auto")
+    p.add_argument("--drafter", default="none",
+                   choices=["none", "model", "ngram", "layerskip", "auto"],
+                   help="speculative drafter (default: none = plain decoding)")
+    p.add_argument("--k", default="auto", help="draft length: 'auto' (adaptive) or a number")
+    p.add_argument("--accept", default="coupled", choices=["coupled", "rejection"],
+                   help="lossless acceptance rule")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="understudy",
+        description="Local LLM chat with visible speculative decoding. "
+        "Run without arguments to open the app.",
+    )
+    sub = parser.add_subparsers(dest="command")
+
+    gen = sub.add_parser("generate", help="generate one reply and stream it to stdout")
+    _add_model_args(gen)
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="the user message")
+    src.add_argument("--messages", type=Path,
+                     help="JSON file: a list of {role, content} messages")
+    _add_sampling_args(gen)
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object at the end instead of streaming text")
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal")
+    _add_model_args(chat)
+    _add_sampling_args(chat)
+
+    imp = sub.add_parser("import-gguf", help="convert a llama GGUF into an HF-style folder")
+    imp.add_argument("file", type=Path)
+    imp.add_argument("dest", type=Path)
+
+    bench = sub.add_parser("bench", help="measure plain vs speculative decoding")
+    _add_model_args(bench)
+    bench.add_argument("--prompts", type=Path, default=None,
+                       help="JSON lines {id, category, messages}; default: the bundled set")
+    bench.add_argument("--modes", default="plain,spec")
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--temperature", type=float, default=0.0)
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    bench.add_argument("--category", action="append", default=[],
+                       help="only prompts of this category (repeatable)")
+    bench.add_argument("--compare-mlx-lm", action="store_true",
+                       help="also time mlx-lm's plain decoding of the same model (if installed)")
+    bench.add_argument("--json", type=Path, default=None, help="write the report here")
+
+    try:
+        from app import models_cli
+    except ImportError:
+        models_cli = None
+    if models_cli is not None:
+        models_cli.add_parser(sub)
+    return parser
+
+
+def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
+    from engine.errors import PromptError
+
+    if getattr(args, "messages", None) is not None:
+        try:
+            data = json.loads(args.messages.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise PromptError(f"{args.messages}: no such file") from None
+        except (OSError, ValueError) as e:
+            raise PromptError(f"{args.messages}: not valid JSON ({e})") from None
+        if isinstance(data, dict) and "messages" in data:
+            data = data["messages"]
+        if not isinstance(data, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in data
+        ):
+            raise PromptError(f"{args.messages}: expected a list of {{role, content}} objects")
+        messages = list(data)
+    else:
+        if args.prompt is None:
+            raise PromptError("give --prompt TEXT or --messages FILE.json")
+        messages = [{"role": "user", "content": args.prompt}]
+    if args.system and not (messages and messages[0]["role"] == "system"):
+        messages.insert(0, {"role": "system", "content": args.system})
+    return messages
+
+
+def _options(args: argparse.Namespace):
+    from engine.decode import GenerateOptions
+    from engine.errors import EngineError
+    from engine.sampling import SamplingParams
+
+    if args.k == "auto":
+        k = None
+    else:
+        try:
+            k = int(args.k)
+        except ValueError:
+            raise EngineError(f"--k must be 'auto' or a number, got {args.k!r}") from None
+    sampling = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, seed=args.seed,
+    )
+    return GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop),
+                           drafter=args.drafter, k=k, accept=args.accept)
+
+
+def _session(args: argparse.Namespace):
+    from engine.decode import ChatSession
+    from engine.loading import load_model
+
+    target = load_model(args.model)
+    if target.tokenizer.template_warning:
+        print(f"warning: {target.tokenizer.template_warning}", file=sys.stderr)
+    draft = load_model(args.draft) if args.draft else None
+    return ChatSession(target, draft)
+
+
+def _stream(session, messages, options, out=sys.stdout) -> Any:
+    """Run one reply, writing text as it arrives; returns (Finished, steps)."""
+    from engine.events import Finished, Step
+
+    finished = None
+    steps: list[Step] = []
+    for ev in session.generate(messages, options):
+        if isinstance(ev, Step):
+            steps.append(ev)
+            if out is not None:
+                out.write(ev.text)
+                out.flush()
+        elif isinstance(ev, Finished):
+            finished = ev
+    return finished, steps
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    messages = _messages(args)
+    options = _options(args)
+    session = _session(args)
+    finished, steps = _stream(session, messages, options, None if args.json else sys.stdout)
+    if args.json:
+        tokens = [{"id": t.id, "text": t.text, "kind": t.kind.value}
+                  for s in steps for t in s.tokens if t.kind.committed]
+        print(json.dumps({"text": finished.text, "tokens": tokens,
+                          "stats": finished.stats.as_dict()}, ensure_ascii=False))
+    else:
+        s = finished.stats
+        sys.stdout.write("\n")
+        print(f"[{s.generated_tokens} tokens · {s.decode_tps:.1f} tok/s · prompt "
+              f"{s.prompt_tps:.1f} tok/s · {s.tau:.2f} tokens/pass · "
+              f"{100 * s.acceptance:.0f}% accepted · {s.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    options = _options(args)
+    session = _session(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Understudy chat — empty line or Ctrl-D to quit, /reset to start over.",
+          file=sys.stderr)
+    from engine.errors import EngineError
+
+    while True:
+        try:
+            line = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": line})
+        sys.stdout.write("assistant> ")
+        try:
+            finished, _ = _stream(session, messages, options)
+        except EngineError as e:
+            messages.pop()
+            print(f"\nerror: {e}", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            messages.pop()
+            print("\n[stopped]", file=sys.stderr)
+            continue
+        s = finished.stats
+        sys.stdout.write("\n")
+        print(f"[{s.generated_tokens} tokens · {s.decode_tps:.1f} tok/s · "
+              f"{s.tau:.2f} tokens/pass]", file=sys.stderr)
+        messages.append({"role": "assistant", "content": finished.text})
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    from engine.gguf import import_gguf
+
+    dest = import_gguf(args.file, args.dest)
+    print(f"imported {args.file} -> {dest}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from engine.bench import run_cli
+
+    return run_cli(args)
+
+
+def cmd_gui(model: str = "demo") -> int:
+    from app.gui import run_gui
+
+    return run_gui(model)
+
+
+COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "import-gguf": cmd_import_gguf,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ensure_openblas(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from engine.errors import EngineError
+
+    try:
+        if args.command is None:
+            return cmd_gui()
+        if args.command == "models":
+            from app import models_cli
+
+            return models_cli.run(args)
+        return COMMANDS[args.command](args)
+    except EngineError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
