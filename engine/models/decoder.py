@@ -67,6 +67,7 @@ class ModelArgs:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
         """Build from a parsed config.json, keeping unknown fields in `extra`."""
+        config = _fold_rope_parameters(config)
         names = {f for f in cls.__dataclass_fields__ if f != "extra"}
         missing = [n for n in ("model_type", "hidden_size", "num_hidden_layers",
                                "intermediate_size", "num_attention_heads", "vocab_size")
@@ -79,6 +80,21 @@ class ModelArgs:
             return cls(**known, extra=extra)
         except TypeError as e:
             raise ModelFormatError(f"config.json: {e}") from e
+
+
+def _fold_rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
+    """Read transformers >= 5 configs, which nest rope_theta and the scaling under
+    `rope_parameters` instead of writing top-level `rope_theta`/`rope_scaling`."""
+    params = config.get("rope_parameters")
+    if not isinstance(params, dict):
+        return config
+    config = dict(config)
+    if config.get("rope_theta") is None and "rope_theta" in params:
+        config["rope_theta"] = params["rope_theta"]
+    kind = params.get("rope_type", params.get("type", "default"))
+    if config.get("rope_scaling") is None and kind != "default":
+        config["rope_scaling"] = params
+    return config
 
 
 def rope_frequencies(args: ModelArgs) -> mx.array | None:

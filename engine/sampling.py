@@ -1,0 +1,445 @@
+"""Logits → sampling distribution, and the per-position seeded sampler.
+
+Two halves:
+
+* **Distribution.** `log_probs` turns logits (N, V) into float32 log-probabilities after the
+  processors, in this fixed order: repetition penalty (on raw logits, over each row's recent
+  history), temperature, top-k, top-p, min-p. Masked tokens get -inf. Greedy (temperature 0)
+  is returned as a deterministic one-hot distribution, so speculative verification can treat
+  every setting as "a distribution" without a special case.
+* **Coupled sampling.** `sample_coupled` picks argmax(log p_t + g_t), where the Gumbel noise
+  g_t is a pure function of (seed, absolute position t, vocab index): a counter-based integer
+  hash, not a stateful RNG. So the token at position t depends only on the distribution at t,
+  the seed and t — plain decoding, drafting and verification all draw the same token from the
+  same distribution, whatever the batch shape. That is what makes speculative decoding
+  token-identical to plain decoding under the "coupled" acceptance rule.
+
+`sample_categorical` and `residual_distribution` serve the "rejection" (Leviathan/Chen) rule.
+
+Every processor is a small pure callable made by a factory (`make_*`), so tests and other
+modules can use each step alone. The hot path is `mx.compile`d (once per parameter set), but
+only on the main thread: see `_compiled_on_main_thread`. Compiled and eager results are
+bit-identical on CPU (checked), so the thread changes speed, never tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TypeVar
+
+import mlx.core as mx
+
+from engine.errors import EngineError
+
+Processor = Callable[[mx.array], mx.array]
+"""Maps float32 scores (N, V) to scores (N, V); masked tokens are -inf."""
+
+_U32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio, odd: multiplying by it is a bijection mod 2^32
+_VOCAB_STEP = 0x7FEB352D  # another odd multiplier, so t and vocab index walk differently
+_SEED_SALT_LO = 0x243F6A88  # digits of pi: arbitrary but fixed, so seed 0 is not a fixed point
+_SEED_SALT_HI = 0x85A308D3
+_ROW_SALT = 0x13198A2E
+
+F = TypeVar("F", bound=Callable[..., mx.array])
+
+
+def _compiled_on_main_thread(fn: F) -> F:
+    """`fn` compiled when called on the main thread, plain `fn` elsewhere.
+
+    MLX (0.32) keeps a per-thread compile cache; its thread-exit destructor takes the GIL,
+    and a thread that exits while the interpreter is finalizing then aborts the whole
+    process ("terminate called without an active exception"; reproduced on Linux with a
+    plain worker thread). Worker threads therefore run the eager graph.
+    """
+    compiled = mx.compile(fn)
+
+    @functools.wraps(fn)
+    def call(*args: mx.array) -> mx.array:
+        if threading.current_thread() is threading.main_thread():
+            return compiled(*args)
+        return fn(*args)
+
+    return call  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into a token. temperature == 0 means greedy (argmax).
+
+    top_k == 0, top_p == 1.0, min_p == 0.0 and repetition_penalty == 1.0 each switch their
+    processor off. The repetition penalty looks at the last `repetition_context_size` tokens
+    of a row's history (prompt included). `seed` selects the coupled sampler's noise.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    repetition_context_size: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_real("temperature", self.temperature, lambda v: v >= 0.0, ">= 0")
+        _check_int("top_k", self.top_k, lambda v: v >= 0, ">= 0 (0 = off)")
+        _check_real("top_p", self.top_p, lambda v: 0.0 < v <= 1.0, "in (0, 1] (1 = off)")
+        _check_real("min_p", self.min_p, lambda v: 0.0 <= v <= 1.0, "in [0, 1] (0 = off)")
+        _check_real(
+            "repetition_penalty", self.repetition_penalty, lambda v: v > 0.0, "> 0 (1 = off)"
+        )
+        _check_int(
+            "repetition_context_size", self.repetition_context_size, lambda v: v >= 0, ">= 0"
+        )
+        _check_int("seed", self.seed, lambda v: 0 <= v < 2**64, "in [0, 2**64)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _check_real(name: str, value: object, ok: Callable[[float], bool], rule: str) -> None:
+    valid = (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and ok(value)
+    )
+    if not valid:
+        raise EngineError(f"sampling {name} must be a finite number {rule}, got {value!r}")
+
+
+def _check_int(name: str, value: object, ok: Callable[[int], bool], rule: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not ok(value):
+        raise EngineError(f"sampling {name} must be an integer {rule}, got {value!r}")
+
+
+# --------------------------------------------------------------------------- processors
+
+
+def make_repetition_penalty(
+    penalty: float, context_size: int
+) -> Callable[[mx.array, Sequence[Sequence[int]]], mx.array]:
+    """Penalize tokens seen in each row's last `context_size` history tokens.
+
+    A seen token's logit is divided by `penalty` when positive and multiplied when negative
+    (the CTRL rule), so penalty > 1 always makes it less likely. Row i uses histories[i]; ids
+    outside [0, V) are ignored.
+    """
+
+    def apply(logits: mx.array, histories: Sequence[Sequence[int]]) -> mx.array:
+        n_rows, vocab = logits.shape
+        if len(histories) != n_rows:
+            raise ValueError(f"{len(histories)} histories for {n_rows} logit rows")
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, history in enumerate(histories):
+            recent = list(history)[-context_size:] if context_size > 0 else []
+            seen = {int(tok) for tok in recent if 0 <= int(tok) < vocab}
+            rows.extend([i] * len(seen))
+            cols.extend(sorted(seen))
+        if not rows:
+            return logits
+        seen_mask = mx.zeros((n_rows, vocab), dtype=mx.bool_)
+        seen_mask[mx.array(rows), mx.array(cols)] = True
+        return _penalize(logits, seen_mask, mx.array(penalty, dtype=mx.float32))
+
+    return apply
+
+
+@_compiled_on_main_thread
+def _penalize(logits: mx.array, seen_mask: mx.array, penalty: mx.array) -> mx.array:
+    penalized = mx.where(logits > 0, logits / penalty, logits * penalty)
+    return mx.where(seen_mask, penalized, logits)
+
+
+def make_temperature(temperature: float) -> Processor:
+    """Divide scores by `temperature` (> 0): below 1 sharpens, above 1 flattens."""
+    if temperature <= 0:
+        raise ValueError("temperature processor needs temperature > 0; greedy has no scaling")
+    inv = 1.0 / temperature
+    return lambda scores: scores * inv
+
+
+def make_top_k(k: int) -> Processor:
+    """Keep the k highest scores per row (all ties at the k-th score are kept)."""
+
+    def apply(scores: mx.array) -> mx.array:
+        if k >= scores.shape[-1]:
+            return scores
+        kth = mx.min(mx.topk(scores, k, axis=-1), axis=-1, keepdims=True)
+        return mx.where(scores >= kth, scores, -mx.inf)
+
+    return apply
+
+
+def make_top_p(p: float) -> Processor:
+    """Keep the smallest set of most likely tokens whose mass reaches `p` (nucleus).
+
+    A token is kept when the mass of the tokens strictly more likely than it is below p, so
+    the token that crosses p is kept too. Mass is measured on the renormalized distribution
+    of the scores it is given (i.e. after temperature and top-k).
+    """
+
+    def apply(scores: mx.array) -> mx.array:
+        probs = mx.softmax(scores, axis=-1)
+        ascending = mx.sort(probs, axis=-1)  # values only: the cut is a value, not an index
+        # Mass of the tokens after each one in ascending order, summed from the largest down.
+        mass_above = mx.cumsum(ascending, axis=-1, reverse=True) - ascending
+        keep_sorted = mass_above < p
+        # The kept set is a suffix of the ascending order: its smallest probability is the cut.
+        cut = mx.min(mx.where(keep_sorted, ascending, mx.inf), axis=-1, keepdims=True)
+        return mx.where(probs >= cut, scores, -mx.inf)
+
+    return apply
+
+
+def make_min_p(min_p: float) -> Processor:
+    """Keep tokens whose probability is at least `min_p` times the most likely one's."""
+    log_min_p = math.log(min_p) if min_p > 0 else -math.inf
+
+    def apply(scores: mx.array) -> mx.array:
+        top = mx.max(scores, axis=-1, keepdims=True)
+        return mx.where(scores >= top + log_min_p, scores, -mx.inf)
+
+    return apply
+
+
+def make_log_softmax() -> Processor:
+    """Normalize scores to log-probabilities; -inf stays -inf."""
+    return lambda scores: scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+
+
+def make_greedy_one_hot() -> Processor:
+    """The log of the one-hot distribution at each row's argmax (0 there, -inf elsewhere)."""
+
+    def apply(scores: mx.array) -> mx.array:
+        best = mx.argmax(scores, axis=-1, keepdims=True)
+        columns = mx.arange(scores.shape[-1])[None, :]
+        return mx.where(columns == best, mx.array(0.0, mx.float32), -mx.inf)
+
+    return apply
+
+
+def make_processors(params: SamplingParams) -> list[Processor]:
+    """The processors after the repetition penalty, in application order."""
+    if params.greedy:
+        return [make_greedy_one_hot()]
+    chain: list[Processor] = [make_temperature(params.temperature)]
+    if params.top_k > 0:
+        chain.append(make_top_k(params.top_k))
+    if params.top_p < 1.0:
+        chain.append(make_top_p(params.top_p))
+    if params.min_p > 0.0:
+        chain.append(make_min_p(params.min_p))
+    chain.append(make_log_softmax())
+    return chain
+
+
+@lru_cache(maxsize=64)
+def _compiled_chain(temperature: float, top_k: int, top_p: float, min_p: float) -> Processor:
+    """One compiled function per distinct setting; the parameters are baked in as constants."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    chain = make_processors(params)
+
+    def run(scores: mx.array) -> mx.array:
+        for step in chain:
+            scores = step(scores)
+        return scores
+
+    return _compiled_on_main_thread(run)
+
+
+# --------------------------------------------------------------------------- distribution
+
+
+def log_probs(
+    logits: mx.array,
+    params: SamplingParams,
+    histories: Sequence[Sequence[int]] | None = None,
+) -> mx.array:
+    """Float32 log-probabilities (N, V) of the token to sample at each of N positions.
+
+    Args:
+        logits: (N, V); row i is one position (1 row for plain decoding, K+1 when verifying).
+        params: the sampling settings. Greedy gives log one-hot at the (penalized) argmax.
+        histories: row i's preceding token ids, for the repetition penalty; None = no penalty.
+    """
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be (N, V), got shape {tuple(logits.shape)}")
+    scores = logits.astype(mx.float32)
+    if (
+        histories is not None
+        and params.repetition_penalty != 1.0
+        and params.repetition_context_size > 0
+    ):
+        penalty = make_repetition_penalty(params.repetition_penalty, params.repetition_context_size)
+        scores = penalty(scores, histories)
+    chain = _compiled_chain(
+        float(params.temperature), params.top_k, float(params.top_p), float(params.min_p)
+    )
+    return chain(scores)
+
+
+def probs(
+    logits: mx.array,
+    params: SamplingParams,
+    histories: Sequence[Sequence[int]] | None = None,
+) -> mx.array:
+    """The full probability vectors (N, V): exp of `log_probs`, masked tokens exactly 0."""
+    return mx.exp(log_probs(logits, params, histories))
+
+
+# --------------------------------------------------------------------------- coupled noise
+
+
+def _fmix32_int(h: int) -> int:
+    """murmur3's 32-bit finalizer on a Python int; must match `_fmix32` bit for bit."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _U32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _U32
+    h ^= h >> 16
+    return h
+
+
+def _u32(value: int) -> mx.array:
+    return mx.array(value, dtype=mx.uint32)
+
+
+def _fmix32(h: mx.array) -> mx.array:
+    """murmur3's 32-bit finalizer (a bijection with full avalanche) on uint32 arrays."""
+    h = h ^ (h >> _u32(16))
+    h = h * _u32(0x85EBCA6B)
+    h = h ^ (h >> _u32(13))
+    h = h * _u32(0xC2B2AE35)
+    return h ^ (h >> _u32(16))
+
+
+def _seed_keys(seed: int) -> tuple[int, int]:
+    """Two 32-bit keys from a 64-bit seed (computed in Python: they are per call constants)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
+        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
+    key_a = _fmix32_int((seed & _U32) ^ _SEED_SALT_LO)
+    key_b = _fmix32_int((((seed >> 32) ^ _SEED_SALT_HI) + key_a) & _U32)
+    return key_a, key_b
+
+
+def _positions_u32(positions: Sequence[int] | mx.array) -> mx.array:
+    if isinstance(positions, mx.array):
+        if positions.ndim != 1:
+            raise ValueError(f"positions must be 1-D, got shape {tuple(positions.shape)}")
+        return positions.astype(mx.uint32)
+    values = [int(t) for t in positions]
+    if any(not 0 <= t <= _U32 for t in values):
+        raise ValueError("positions must be in [0, 2**32)")
+    return mx.array(values, dtype=mx.uint32)
+
+
+def _bits(keys: mx.array, positions: mx.array, vocab_size: int) -> mx.array:
+    """(N, V) uint32 hash of (seed keys, position, vocab index).
+
+    Per row: a_t = fmix(t*G + key_b) is distinct for distinct t (each step is a bijection),
+    b_t = fmix(a_t ^ salt) + key_a re-keys the row. Per entry: fmix(fmix(a_t + v*G2) ^ b_t);
+    the second, row-keyed round keeps two rows from being shifted copies of each other.
+    """
+    key_a, key_b = keys[0], keys[1]
+    row = _fmix32(positions * _u32(_GOLDEN) + key_b)[:, None]  # (N, 1)
+    row_key = _fmix32(row ^ _u32(_ROW_SALT)) + key_a  # (N, 1)
+    column = mx.arange(vocab_size, dtype=mx.uint32)[None, :] * _u32(_VOCAB_STEP)  # (1, V)
+    return _fmix32(_fmix32(row + column) ^ row_key)  # (N, V)
+
+
+def _gumbel_from_bits(bits: mx.array) -> mx.array:
+    """Gumbel(0, 1) from hash bits, via a uniform strictly inside (0, 1).
+
+    u = (2k + 1) / 2^24 with k the top 23 bits: every value is an exact float32, the
+    smallest is 2^-24 and the largest 1 - 2^-24, so no log ever sees 0 or 1. -log(u) is
+    computed as -log1p(-(1 - u)) with 1 - u exact, which keeps the upper tail of g (u near 1,
+    the tail that lets unlikely tokens win) accurate. The largest g is about 16.6, so a token
+    more than ~19 nats below the best one in its row is never drawn.
+    """
+    odd = (bits >> _u32(9)) * _u32(2) + _u32(1)  # (N, V) odd integers below 2^24
+    scale = 2.0**-24
+    one_minus_u = (_u32(1 << 24) - odd).astype(mx.float32) * scale  # exact, in (0, 1)
+    return -mx.log(-mx.log1p(-one_minus_u))
+
+
+@_compiled_on_main_thread
+def _gumbel(keys: mx.array, positions: mx.array, columns: mx.array) -> mx.array:
+    return _gumbel_from_bits(_bits(keys, positions, columns.shape[0]))
+
+
+@_compiled_on_main_thread
+def _coupled_argmax(
+    logprobs: mx.array, keys: mx.array, positions: mx.array, columns: mx.array
+) -> mx.array:
+    noise = _gumbel_from_bits(_bits(keys, positions, columns.shape[0]))
+    return mx.argmax(logprobs + noise, axis=-1).astype(mx.int32)
+
+
+def _columns(vocab_size: int) -> mx.array:
+    # Only its shape is used; it carries V into the compiled functions so they retrace per V.
+    return mx.zeros((vocab_size,), dtype=mx.uint8)
+
+
+def noise_bits(seed: int, positions: Sequence[int] | mx.array, vocab_size: int) -> mx.array:
+    """The raw (N, V) uint32 counter hash behind `gumbel_noise`, row i for positions[i].
+
+    Public so the hash can be checked against an independent implementation.
+    """
+    keys = mx.array(_seed_keys(seed), dtype=mx.uint32)
+    return _bits(keys, _positions_u32(positions), vocab_size)
+
+
+def gumbel_noise(seed: int, positions: Sequence[int] | mx.array, vocab_size: int) -> mx.array:
+    """Float32 Gumbel(0, 1) noise (N, V); row i depends only on (seed, positions[i], index).
+
+    The same (seed, t) gives bit-identical rows in any batch, order or call.
+    """
+    keys = mx.array(_seed_keys(seed), dtype=mx.uint32)
+    return _gumbel(keys, _positions_u32(positions), _columns(vocab_size))
+
+
+def sample_coupled(logprobs: mx.array, seed: int, positions: Sequence[int] | mx.array) -> mx.array:
+    """Tokens (N,) int32: argmax(logprobs[i] + g(seed, positions[i])) per row.
+
+    This is an exact sample from each row's distribution (the Gumbel-max trick), and it is
+    the same token wherever the same distribution meets the same (seed, t): plain decoding,
+    drafting and verification. A one-hot (greedy) row returns its argmax.
+    """
+    if logprobs.ndim != 2:
+        raise ValueError(f"logprobs must be (N, V), got shape {tuple(logprobs.shape)}")
+    pos = _positions_u32(positions)
+    if pos.shape[0] != logprobs.shape[0]:
+        raise ValueError(f"{pos.shape[0]} positions for {logprobs.shape[0]} rows")
+    keys = mx.array(_seed_keys(seed), dtype=mx.uint32)
+    return _coupled_argmax(logprobs, keys, pos, _columns(logprobs.shape[1]))
+
+
+# --------------------------------------------------------------------------- rejection rule
+
+
+def sample_categorical(probabilities: mx.array, key: mx.array) -> mx.array:
+    """One token per row (int32, shape without the last axis) drawn from `probabilities`.
+
+    Zero-probability entries are never drawn. For the rejection rule, where the randomness
+    is an explicit `mx.random` key rather than the coupled noise.
+    """
+    return mx.random.categorical(mx.log(probabilities), axis=-1, key=key).astype(mx.int32)
+
+
+def residual_distribution(p: mx.array, q: mx.array) -> mx.array:
+    """Row-wise norm(max(0, p - q)): where to resample after rejecting a draft from q.
+
+    A row where p <= q everywhere (p == q) has no residual mass; it falls back to p.
+    """
+    residual = mx.maximum(p - q, 0.0)
+    mass = mx.sum(residual, axis=-1, keepdims=True)
+    safe = mx.where(mass > 0, mass, 1.0)
+    return mx.where(mass > 0, residual / safe, p)

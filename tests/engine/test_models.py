@@ -1,0 +1,183 @@
+"""Our loader + decoder against mlx-lm (a test-only oracle) on tiny random checkpoints.
+
+Each case is a real folder written by tests/fixtures/tiny_models.py. mlx-lm loads the same
+folder with its own model classes; logits must agree to 1e-4 relative. Half-precision
+sources are compared with the oracle's weights upcast to float32 (exact), because our CPU
+policy runs them in float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from engine.cache import make_caches
+from engine.loading import load_weights
+from engine.models import ModelArgs
+from tests.fixtures.tiny_models import write_tiny_model
+
+mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    # small enough that a 16-dim head has low, medium and high frequency bands
+    "original_max_position_embeddings": 64,
+}
+
+CASES: dict[str, dict[str, Any]] = {
+    "llama-gqa-tied": {"model_type": "llama"},
+    "llama-mha-untied": {"model_type": "llama", "n_kv_heads": 4, "tie": False},
+    "llama3-rope-scaling": {"model_type": "llama", "rope_scaling": LLAMA3_SCALING,
+                            "rope_theta": 500000.0, "tie": False},
+    "mistral": {"model_type": "mistral", "n_kv_heads": 1},
+    "qwen2-bias": {"model_type": "qwen2"},
+    "qwen3-qk-norm": {"model_type": "qwen3", "tie": False},
+    "llama-bf16": {"model_type": "llama", "dtype": "bfloat16"},
+    "qwen2-fp16-untied": {"model_type": "qwen2", "dtype": "float16", "tie": False},
+    "llama-q4": {"model_type": "llama", "quantize": (32, 4)},
+    "qwen2-q8-untied": {"model_type": "qwen2", "quantize": (64, 8), "tie": False},
+    "qwen3-q4-bf16-overrides": {
+        "model_type": "qwen3", "quantize": (64, 4), "dtype": "bfloat16", "tie": False,
+        "quant_overrides": {"lm_head": False, "model.embed_tokens": {"group_size": 32,
+                                                                     "bits": 8}},
+    },
+    "llama-sharded": {"model_type": "llama", "sharded": True, "tie": False},
+    "llama-q4-sharded-extra-keys": {"model_type": "llama", "quantize": (32, 4),
+                                    "sharded": True, "extra_keys": True},
+}
+
+TOKENS = mx.array([[1, 17, 42, 299, 5, 77, 123, 2, 64, 9, 250, 33]])
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: write_tiny_model(root / name, **kw) for name, kw in CASES.items()}
+
+
+def oracle_logits(path: Path, upcast: bool) -> mx.array:
+    model, _ = mlx_lm_utils.load_model(path)
+    if upcast:
+        model.set_dtype(mx.float32)
+    return model(TOKENS).astype(mx.float32)
+
+
+def rel_err(ours: mx.array, ref: mx.array) -> float:
+    return (mx.abs(ours.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cpu_policy_matches_mlx_lm(model_dirs: dict[str, Path], case: str) -> None:
+    model, _ = load_weights(model_dirs[case], backend="cpu")
+    ours = model(TOKENS)
+    assert ours.dtype == mx.float32
+    ref = oracle_logits(model_dirs[case], upcast=True)
+    assert ours.shape == ref.shape == (1, TOKENS.shape[1], model.args.vocab_size)
+    assert rel_err(ours, ref) < 1e-4
+    assert np.std(np.array(ref)) > 0.5  # the fixture's logits are spread, not degenerate
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "quantize" in CASES[c]
+                                  or "dtype" in CASES[c]])
+def test_stored_policy_matches_mlx_lm(model_dirs: dict[str, Path], case: str) -> None:
+    """The Metal/CUDA policy keeps quantized layers and half precision, as mlx-lm does."""
+    model, _ = load_weights(model_dirs[case], backend="metal")
+    ref = oracle_logits(model_dirs[case], upcast=False)
+    half = CASES[case].get("dtype", "float32") != "float32"
+    assert rel_err(model(TOKENS), ref) < (2e-2 if half else 1e-4)
+
+
+def test_llama3_scaling_changes_logits(model_dirs: dict[str, Path], tmp_path: Path) -> None:
+    """Guards the rope test above: without the scaling the logits would differ."""
+    kw = {k: v for k, v in CASES["llama3-rope-scaling"].items() if k != "rope_scaling"}
+    plain, _ = load_weights(write_tiny_model(tmp_path / "plain", **kw), backend="cpu")
+    scaled, _ = load_weights(model_dirs["llama3-rope-scaling"], backend="cpu")
+    assert rel_err(plain(TOKENS), scaled(TOKENS)) > 1e-3
+
+
+def test_rope_parameters_config_matches_legacy_keys(
+    model_dirs: dict[str, Path], tmp_path: Path
+) -> None:
+    """transformers >= 5 writes rope_theta and scaling under `rope_parameters` only."""
+    import json
+    import shutil
+
+    src = model_dirs["llama3-rope-scaling"]
+    dst = tmp_path / "v5"
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "config.json").read_text())
+    params = {**config.pop("rope_scaling"), "rope_theta": config.pop("rope_theta")}
+    config["rope_parameters"] = params
+    (dst / "config.json").write_text(json.dumps(config))
+    args = ModelArgs.from_config(config)
+    assert args.rope_theta == 500000.0
+    assert args.rope_scaling is not None and args.rope_scaling["factor"] == 8.0
+    model, _ = load_weights(dst, backend="cpu")
+    assert rel_err(model(TOKENS), oracle_logits(src, upcast=True)) < 1e-4
+
+
+@pytest.mark.parametrize(("case", "backend"), [
+    ("llama-gqa-tied", "cpu"), ("llama3-rope-scaling", "cpu"), ("qwen2-bias", "cpu"),
+    ("qwen3-qk-norm", "cpu"), ("llama-q4", "metal"),
+])
+def test_incremental_decoding_matches_full_forward(
+    model_dirs: dict[str, Path], case: str, backend: str
+) -> None:
+    """Prefill, single-token steps and a multi-token chunk through the KV cache give the
+    same logits as one pass over the whole sequence."""
+    model, _ = load_weights(model_dirs[case], backend=backend)
+    full = model(TOKENS)
+    caches = make_caches(model.n_layers, chunk=4)  # small chunks so the cache grows
+    pieces = [model(TOKENS[:, :5], cache=caches)]
+    for t in range(5, 8):
+        pieces.append(model(TOKENS[:, t : t + 1], cache=caches))
+    pieces.append(model(TOKENS[:, 8:], cache=caches))  # a verify-style chunk of 4
+    assert caches[0].offset == TOKENS.shape[1]
+    assert rel_err(mx.concatenate(pieces, axis=1), full) < 1e-4
+
+
+def test_quantized_layers_kept_or_dequantized(model_dirs: dict[str, Path]) -> None:
+    path = model_dirs["qwen3-q4-bf16-overrides"]
+    kept, _ = load_weights(path, backend="metal")
+    attn = kept.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, nn.QuantizedLinear) and attn.q_proj.bits == 4
+    assert isinstance(kept.model.embed_tokens, nn.QuantizedEmbedding)
+    assert kept.model.embed_tokens.bits == 8 and kept.model.embed_tokens.group_size == 32
+    assert type(kept.lm_head) is nn.Linear and kept.lm_head.weight.dtype == mx.bfloat16
+    assert kept.model.norm.weight.dtype == mx.bfloat16
+
+    cpu, _ = load_weights(path, backend="cpu")
+    assert type(cpu.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert type(cpu.model.embed_tokens) is nn.Embedding
+    from mlx.utils import tree_flatten
+
+    assert {v.dtype for _, v in tree_flatten(cpu.parameters())} == {mx.float32}
+
+
+@pytest.mark.slow
+def test_demo_model_matches_mlx_lm(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real model: the demo (SmolLM2-135M, imported from GGUF) through "demo" resolution,
+    both weight policies, against mlx-lm loading the same folder."""
+    from engine.errors import DemoModelMissingError
+    from engine.loading import resolve_model_path
+
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path_factory.mktemp("data")))
+    try:
+        folder = resolve_model_path("demo")
+    except DemoModelMissingError as e:
+        pytest.skip(str(e))
+    tokens = mx.array([[1, 4093, 28, 614, 314, 260, 3575, 282, 4649, 47]])
+    oracle, _ = mlx_lm_utils.load_model(folder)
+    kept, _ = load_weights(folder, backend="metal")
+    assert isinstance(kept.model.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    assert rel_err(kept(tokens), oracle(tokens).astype(mx.float32)) < 1e-4
+    oracle.set_dtype(mx.float32)  # the CPU policy's precision, for a like-for-like check
+    cpu, _ = load_weights(folder, backend="cpu")
+    assert rel_err(cpu(tokens), oracle(tokens)) < 1e-4
