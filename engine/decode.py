@@ -17,12 +17,19 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from engine.cache import KVCache, cache_length, make_caches, trim_caches
-from engine.errors import EngineError, PromptError
-from engine.events import Finished, PromptProgress, Stats, Step, Token, TokenKind
+from engine.cache import cache_length, make_caches, trim_caches
+from engine.drafters.base import Drafter
+from engine.drafters.layerskip import LayerSkipDrafter
+from engine.drafters.model import ModelDrafter
+from engine.drafters.ngram import NgramDrafter
+from engine.errors import EngineError, IncompatibleDraftError, PromptError
+from engine.events import Finished, PromptProgress, Stats, Step, Token
 from engine.loading import LoadedModel
-from engine.sampling import SamplingParams, log_probs, sample_coupled
+from engine.sampling import SamplingParams
+from engine.speculative import speculative_steps
+from engine.steps import RawStep, plain_steps, prefill
 from engine.stopping import StopMatcher
+from engine.tuning import CostModel, DraftPolicy, load_or_measure_costs, measure_costs
 
 DRAFTERS = ("none", "model", "ngram", "layerskip", "auto")
 ACCEPT_RULES = ("coupled", "rejection")
@@ -51,117 +58,55 @@ class GenerateOptions:
             raise EngineError(f"k must be at least 1 (or auto), got {self.k}")
 
 
-@dataclass
-class RawStep:
-    """One target pass as a step generator reports it: ids in display order and fates."""
-
-    ids: list[int]
-    kinds: list[TokenKind]
-    probs: list[float | None]
-    n_drafted: int = 0
-    n_accepted: int = 0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    k: int = 0
-    drafter: str = "none"
-
-
-def forward(model, ids: Sequence[int], caches: Sequence[KVCache]) -> mx.array:
-    """Run `ids` through the model, appending to `caches`; returns logits (L, V)."""
-    return model(mx.array([list(ids)]), cache=list(caches))[0]
-
-
-def prefill(
-    model,
-    ids: Sequence[int],
-    caches: Sequence[KVCache],
-    chunk: int,
-    on_chunk=None,
-) -> mx.array:
-    """Feed `ids` in chunks of `chunk` tokens; returns the logits of the last one (V,).
-
-    Chunking bounds the attention working set for long prompts and lets the GUI show
-    progress. `on_chunk(done, total)` is called after each chunk is computed.
-    """
-    total = len(ids)
-    logits = None
-    for start in range(0, total, chunk):
-        part = ids[start : start + chunk]
-        logits = forward(model, part, caches)[-1]
-        mx.eval(logits)
-        if on_chunk is not None:
-            on_chunk(min(start + chunk, total), total)
-    assert logits is not None
-    return logits
-
-
-def choose(logits: mx.array, params: SamplingParams, positions: Sequence[int],
-           histories: Sequence[Sequence[int]] | None) -> tuple[mx.array, mx.array, mx.array]:
-    """The target's distribution and coupled sample for each row of `logits` (N, V).
-
-    Returns (log-probabilities (N, V), chosen ids (N,), probability of each chosen id (N,)).
-    The token at absolute position t depends only on the distribution, the seed and t —
-    the property that makes speculative output identical to plain output.
-    """
-    lp = log_probs(logits, params, histories)
-    ids = sample_coupled(lp, params.seed, positions)
-    p = mx.exp(mx.take_along_axis(lp, ids[:, None], axis=-1)[:, 0])
-    return lp, ids, p
-
-
-def plain_steps(
-    model,
-    caches: Sequence[KVCache],
-    logits: mx.array,
-    context: list[int],
-    params: SamplingParams,
-) -> Iterator[RawStep]:
-    """Plain decoding: one target pass per token, pipelined.
-
-    The next forward pass is queued (`async_eval`) before the current token is read back, so
-    the host never waits idle between passes. `context` holds the committed ids and is
-    appended to; the caches hold every committed id except the newest (it is fed by the next
-    pass), which the driver accounts for when it stops.
-    """
-    want_history = params.repetition_penalty != 1.0
-    _, tok, p = choose(logits[None], params, [len(context)], [context] if want_history else None)
-    mx.async_eval(tok, p)
-    while True:
-        t0 = time.perf_counter()
-        nxt_logits = model(tok[None], cache=list(caches))[0, -1]
-        pos = len(context) + 1
-        tid = tok.item()
-        prob = p.item()
-        context.append(tid)
-        _, nxt_tok, nxt_p = choose(nxt_logits[None], params, [pos],
-                                   [context] if want_history else None)
-        mx.async_eval(nxt_tok, nxt_p)
-        yield RawStep([tid], [TokenKind.TARGET], [prob], verify_s=time.perf_counter() - t0)
-        tok, p = nxt_tok, nxt_p
-
-
 class ChatSession:
     """A loaded target (and optional draft) with KV caches kept across turns.
 
     A follow-up turn whose conversation prefix is unchanged only prefills the new tokens:
-    the cache keeps the ids it holds, and the next prompt is compared against them.
+    the cache remembers the ids it holds, and the next prompt is compared against them.
+    The draft model's cache does the same through its drafter. Every call must come from
+    the thread that loaded the models (MLX streams are thread-local).
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
         self.target = target
         self.draft = draft
+        if draft is not None:
+            from engine.compat import require_compatible
+
+            require_compatible(target.path, draft.path)
         self.caches_tgt = make_caches(target.model.n_layers)
         self.cached_ids_tgt: list[int] = []
         self.stats = Stats()
+        self._drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
+        if target.model.n_layers > 1:
+            self._drafters["layerskip"] = LayerSkipDrafter(target.model, self.caches_tgt)
+        if draft is not None:
+            self._drafters["model"] = ModelDrafter(draft.model)
+        self._costs: CostModel | None = None
 
     @property
     def context_window(self) -> int:
         return int(self.target.model.args.max_position_embeddings)
 
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """Drafters this session can use ("model" only with a draft model loaded)."""
+        return tuple(self._drafters)
+
+    def cache_lengths(self) -> dict[str, int]:
+        """Rows held by each cache (target, and the draft model's when loaded)."""
+        out = {"target": cache_length(self.caches_tgt)}
+        model = self._drafters.get("model")
+        if isinstance(model, ModelDrafter):
+            out["draft"] = cache_length(model.caches)
+        return out
+
     def reset(self) -> None:
         """Forget the cached prefix (the next turn prefills everything)."""
         trim_caches(self.caches_tgt, 0)
         self.cached_ids_tgt = []
+        for d in self._drafters.values():
+            d.reset()
 
     def encode(self, messages: Sequence[dict]) -> list[int]:
         if not messages:
@@ -180,7 +125,10 @@ class ChatSession:
         return self.generate_ids(self.encode(messages), options, cancel)
 
     def _reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
-        """Trim the cache to the longest prefix shared with `prompt_ids`; return its length."""
+        """Trim the cache to the longest prefix shared with `prompt_ids`; return its length.
+
+        At least the last prompt token is always recomputed: its logits start the reply.
+        """
         n = 0
         limit = min(len(self.cached_ids_tgt), cache_length(self.caches_tgt), len(prompt_ids) - 1)
         while n < limit and self.cached_ids_tgt[n] == prompt_ids[n]:
@@ -189,12 +137,40 @@ class ChatSession:
         self.cached_ids_tgt = list(prompt_ids[:n])
         return n
 
+    def _policy(self, options: GenerateOptions) -> DraftPolicy:
+        mode = options.drafter
+        if mode == "model" and "model" not in self._drafters:
+            raise IncompatibleDraftError(
+                "drafter 'model' needs a draft model: pass --draft MODEL (or pick one in the app)"
+            )
+        if mode == "layerskip" and "layerskip" not in self._drafters:
+            raise EngineError("drafter 'layerskip' needs a target with at least 2 layers")
+        available = tuple(self._drafters) if mode == "auto" else (mode,)
+        costs = None
+        if options.k is None:
+            costs = self._costs = self._costs or self._calibrate()
+        ngram = self._drafters["ngram"]
+        assert isinstance(ngram, NgramDrafter)
+        return DraftPolicy(mode, available, costs, options.k,
+                           lambda ctx, k: len(ngram.match(ctx, k)))
+
+    def _calibrate(self) -> CostModel:
+        """Measure pass costs once per model/draft/backend; cached on disk."""
+        layerskip = self._drafters.get("layerskip")
+        n_skip = layerskip.n_layers if isinstance(layerskip, LayerSkipDrafter) else None
+        draft_model = self.draft.model if self.draft is not None else None
+        key = "|".join([str(self.target.path), str(self.draft.path) if self.draft else "-",
+                        f"skip{n_skip}", self.target.backend, mx.__version__])
+        return load_or_measure_costs(
+            key, lambda: measure_costs(self.target.model, draft_model, n_skip))
+
     def generate_ids(
         self,
         prompt_ids: Sequence[int],
         options: GenerateOptions | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[PromptProgress | Step | Finished]:
+        """Like `generate`, from token ids. Validates eagerly, then returns the event stream."""
         options = options or GenerateOptions()
         if not prompt_ids:
             raise PromptError("the prompt is empty: it encodes to no tokens")
@@ -203,29 +179,43 @@ class ChatSession:
                 f"the prompt is {len(prompt_ids)} tokens long, but the model's context window "
                 f"(config.json max_position_embeddings) is {self.context_window}"
             )
-        if options.drafter != "none":
-            raise EngineError(f"drafter {options.drafter!r} is not available in this build")
-        return self._run(list(prompt_ids), options, cancel)
+        policy = self._policy(options) if options.drafter != "none" else None
+        return self._run(list(prompt_ids), options, cancel, policy)
 
     def _run(
-        self, prompt_ids: list[int], options: GenerateOptions, cancel: threading.Event | None
+        self,
+        prompt_ids: list[int],
+        options: GenerateOptions,
+        cancel: threading.Event | None,
+        policy: DraftPolicy | None,
     ) -> Iterator[PromptProgress | Step | Finished]:
         mx.reset_peak_memory()
         stats = Stats(prompt_tokens=len(prompt_ids))
         self.stats = stats
         t_start = time.perf_counter()
         reused = self._reuse_prefix(prompt_ids)
-        todo = prompt_ids[reused:]
+        # speculative steps feed the newest token themselves, so prefill stops one short
+        end = len(prompt_ids) if policy is None else len(prompt_ids) - 1
+        todo = prompt_ids[reused:end]
         progress: list[PromptProgress] = []
-        logits = prefill(self.target.model, todo, self.caches_tgt, options.prefill_chunk,
-                         lambda d, t: progress.append(PromptProgress(reused + d, reused + t)))
+        logits = None
+        if todo:
+            logits = prefill(self.target.model, todo, self.caches_tgt, options.prefill_chunk,
+                             lambda d, t: progress.append(PromptProgress(reused + d, end)))
         yield from progress
-        stats = replace(stats, prefilled_tokens=len(todo), prompt_s=time.perf_counter() - t_start)
+        stats = replace(stats, prefilled_tokens=len(todo) + (policy is not None),
+                        prompt_s=time.perf_counter() - t_start)
         self.stats = stats
 
         context = list(prompt_ids)
-        steps = plain_steps(self.target.model, self.caches_tgt, logits, context,
-                            options.sampling)
+        steps: Iterator[RawStep]
+        if policy is None:
+            assert logits is not None
+            steps = plain_steps(self.target.model, self.caches_tgt, logits, context,
+                                options.sampling)
+        else:
+            steps = speculative_steps(self.target.model, self.caches_tgt, context,
+                                      options.sampling, options.accept, self._drafters, policy)
         yield from self._drive(steps, context, len(prompt_ids), options, cancel, stats)
 
     def _drive(

@@ -1,0 +1,226 @@
+"""The harness behind `understudy bench`: plain vs speculative, in one process.
+
+Each prompt runs in every mode, modes alternating, after one warm-up reply per mode, so
+both see the same machine state. Speedups are ratios of decode times measured in the same
+run; never compare figures across runs or machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.decode import ChatSession, GenerateOptions
+from engine.errors import EngineError
+from engine.events import Finished, Stats
+from engine.sampling import SamplingParams
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "resources" / "bench" / "prompts.jsonl"
+MODES = ("plain", "spec")
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    id: str
+    category: str
+    messages: list[dict[str, str]]
+
+
+@dataclass
+class Run:
+    """One reply in one mode."""
+
+    text: str
+    stats: Stats
+
+
+@dataclass
+class Totals:
+    """Summed counts over a set of prompts; ratios come out as properties."""
+
+    plain_tokens: int = 0
+    plain_s: float = 0.0
+    spec_tokens: int = 0
+    spec_s: float = 0.0
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    prompt_tokens: int = 0
+    prompt_s: float = 0.0
+    n_identical: int = 0
+    n: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def add(self, plain: Run | None, spec: Run | None) -> None:
+        self.n += 1
+        if plain is not None:
+            self.plain_tokens += plain.stats.generated_tokens
+            self.plain_s += plain.stats.decode_s
+            self.prompt_tokens += plain.stats.prefilled_tokens
+            self.prompt_s += plain.stats.prompt_s
+        if spec is not None:
+            self.spec_tokens += spec.stats.generated_tokens
+            self.spec_s += spec.stats.decode_s
+            self.passes += spec.stats.target_passes
+            self.drafted += spec.stats.n_drafted
+            self.accepted += spec.stats.n_accepted
+        if plain is not None and spec is not None and plain.text == spec.text:
+            self.n_identical += 1
+
+    def row(self) -> dict[str, float | bool | None]:
+        plain_tps = self.plain_tokens / self.plain_s if self.plain_s else None
+        spec_tps = self.spec_tokens / self.spec_s if self.spec_s else None
+        speedup = spec_tps / plain_tps if plain_tps and spec_tps else None
+        return {
+            "plain_tps": plain_tps,
+            "spec_tps": spec_tps,
+            "speedup": speedup,
+            "tau": self.spec_tokens / self.passes if self.passes else None,
+            "acceptance": self.accepted / self.drafted if self.drafted else None,
+            "identical": self.n_identical == self.n if self.spec_tokens and self.plain_tokens
+            else None,
+            "prompt_tps": self.prompt_tokens / self.prompt_s if self.prompt_s else None,
+            "plain_tokens": self.plain_tokens,
+            "spec_tokens": self.spec_tokens,
+            **self.extra,
+        }
+
+
+def load_prompts(path: Path) -> list[BenchPrompt]:
+    """Read JSON lines {id, category, messages}; errors name the line."""
+    out: list[BenchPrompt] = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise EngineError(f"{path}: cannot read prompts file ({e.strerror})") from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            prompt = BenchPrompt(str(obj["id"]), str(obj["category"]), list(obj["messages"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise EngineError(f"{path}:{i}: expected {{id, category, messages}} ({e})") from None
+        out.append(prompt)
+    if not out:
+        raise EngineError(f"{path}: no prompts")
+    return out
+
+
+def run_once(session: ChatSession, messages: list[dict[str, str]],
+             options: GenerateOptions) -> Run:
+    """One reply from a cold cache (no prefix reuse between measured runs)."""
+    session.reset()
+    finished = None
+    for ev in session.generate(messages, options):
+        if isinstance(ev, Finished):
+            finished = ev
+    assert finished is not None
+    return Run(finished.text, finished.stats)
+
+
+def mlx_lm_decode_tps(model_path: Path, prompts: Sequence[BenchPrompt], max_tokens: int) -> float:
+    """mlx-lm's own plain decode speed over the same prompts (same folder, its own loader)."""
+    try:
+        from mlx_lm import load, stream_generate
+    except ImportError:
+        raise EngineError("--compare-mlx-lm needs mlx-lm: pip install mlx-lm") from None
+    model, tokenizer = load(str(model_path))
+    total_tokens, total_s = 0, 0.0
+    for i, p in enumerate([prompts[0], *prompts]):
+        prompt = tokenizer.apply_chat_template(p.messages, add_generation_prompt=True)
+        responses = list(stream_generate(model, tokenizer, prompt, max_tokens=max_tokens))
+        last = responses[-1] if responses else None
+        if i == 0 or last is None:  # warm-up
+            continue
+        total_tokens += last.generation_tokens
+        total_s += last.generation_tokens / max(last.generation_tps, 1e-9)
+    return total_tokens / total_s if total_s else 0.0
+
+
+def run_bench(session: ChatSession, prompts: Sequence[BenchPrompt], modes: Iterable[str],
+              spec_options: GenerateOptions, log=None) -> dict:
+    """Run every prompt in every mode (alternating); return the report dict."""
+    modes = tuple(modes)
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise EngineError(f"--modes: unknown mode(s) {', '.join(bad)} (use plain,spec)")
+    plain_options = GenerateOptions(max_tokens=spec_options.max_tokens,
+                                    sampling=spec_options.sampling, stop=spec_options.stop)
+    options = {"plain": plain_options, "spec": spec_options}
+    for m in modes:  # warm-up: compile, allocate, calibrate
+        run_once(session, prompts[0].messages, options[m])
+    rows, categories, overall = [], {}, Totals()
+    for i, p in enumerate(prompts):
+        order = modes if i % 2 == 0 else tuple(reversed(modes))
+        runs = {m: run_once(session, p.messages, options[m]) for m in order}
+        t = Totals()
+        t.add(runs.get("plain"), runs.get("spec"))
+        overall.add(runs.get("plain"), runs.get("spec"))
+        categories.setdefault(p.category, Totals()).add(runs.get("plain"), runs.get("spec"))
+        row = {"id": p.id, "category": p.category, **t.row()}
+        rows.append(row)
+        if log is not None:
+            log(_format_row(row))
+    return {"prompts": rows,
+            "categories": {c: t.row() for c, t in categories.items()},
+            "overall": overall.row()}
+
+
+def _fmt(v, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _format_row(r: dict) -> str:
+    return (f"{r.get('id', ''):<24} {r.get('category', ''):<14} plain {_fmt(r['plain_tps']):>7} "
+            f"spec {_fmt(r['spec_tps']):>7} tok/s  x{_fmt(r['speedup'], '.2f'):>5}  "
+            f"tau {_fmt(r['tau'], '.2f'):>5}  acc {_fmt(r['acceptance'], '.2f'):>4}  "
+            f"prompt {_fmt(r['prompt_tps']):>7} tok/s  "
+            f"{'identical' if r['identical'] else ('' if r['identical'] is None else 'DIFFERENT')}")
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`understudy bench`: print a table, optionally write the JSON report."""
+    from engine.loading import load_model
+
+    prompts = load_prompts(args.prompts or DEFAULT_PROMPTS)
+    if args.category:
+        prompts = [p for p in prompts if p.category in args.category]
+    if args.limit:
+        prompts = prompts[: args.limit]
+    if not prompts:
+        raise EngineError("no prompts left after --category/--limit")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    drafter = args.drafter
+    if "spec" in modes and drafter == "none":
+        drafter = "auto"
+    k = None if args.k == "auto" else int(args.k)
+    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+    options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, drafter=drafter,
+                              k=k, accept=args.accept)
+    target = load_model(args.model)
+    draft = load_model(args.draft) if args.draft else None
+    session = ChatSession(target, draft)
+    print(f"model {target.name} ({target.backend}), drafter {drafter}, k {args.k}, "
+          f"{len(prompts)} prompts, modes {','.join(modes)}", file=sys.stderr)
+    report = run_bench(session, prompts, modes, options, log=print)
+    if args.compare_mlx_lm:
+        ref = mlx_lm_decode_tps(target.path, prompts, args.max_tokens)
+        ours = report["overall"]["plain_tps"]
+        report["overall"]["mlx_lm_plain_tps"] = ref
+        report["overall"]["plain_vs_mlx_lm"] = ours / ref if ours and ref else None
+    print("-" * 100)
+    for c, row in report["categories"].items():
+        print(_format_row({"id": "[category]", "category": c, **row}))
+    print(_format_row({"id": "[overall]", "category": "", **report["overall"]}))
+    if args.compare_mlx_lm:
+        o = report["overall"]
+        print(f"mlx-lm plain decode {_fmt(o['mlx_lm_plain_tps'])} tok/s; ours/mlx-lm "
+              f"x{_fmt(o['plain_vs_mlx_lm'], '.2f')}")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0

@@ -1,0 +1,106 @@
+"""Step generators' shared pieces, and plain decoding.
+
+A step generator yields one `RawStep` per target pass: token ids in display order with
+their fates. `plain_steps` is the simplest one; `engine/speculative.py` is the other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.cache import KVCache
+from engine.events import TokenKind
+from engine.sampling import SamplingParams, log_probs, sample_coupled
+
+
+@dataclass
+class RawStep:
+    """One target pass as a step generator reports it: ids in display order and fates."""
+
+    ids: list[int]
+    kinds: list[TokenKind]
+    probs: list[float | None]
+    n_drafted: int = 0
+    n_accepted: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    k: int = 0
+    drafter: str = "none"
+
+
+def forward(model, ids: Sequence[int], caches: Sequence[KVCache]) -> mx.array:
+    """Run `ids` through the model, appending to `caches`; returns logits (L, V)."""
+    return model(mx.array([list(ids)]), cache=list(caches))[0]
+
+
+def prefill(
+    model,
+    ids: Sequence[int],
+    caches: Sequence[KVCache],
+    chunk: int,
+    on_chunk=None,
+) -> mx.array:
+    """Feed `ids` in chunks of `chunk` tokens; returns the logits of the last one (V,).
+
+    Chunking bounds the attention working set for long prompts and lets the GUI show
+    progress. `on_chunk(done, total)` is called after each chunk is computed.
+    """
+    total = len(ids)
+    logits = None
+    for start in range(0, total, chunk):
+        part = ids[start : start + chunk]
+        logits = forward(model, part, caches)[-1]
+        mx.eval(logits)
+        if on_chunk is not None:
+            on_chunk(min(start + chunk, total), total)
+    assert logits is not None
+    return logits
+
+
+def choose(logits: mx.array, params: SamplingParams, positions: Sequence[int],
+           histories: Sequence[Sequence[int]] | None) -> tuple[mx.array, mx.array, mx.array]:
+    """The target's distribution and coupled sample for each row of `logits` (N, V).
+
+    Returns (log-probabilities (N, V), chosen ids (N,), probability of each chosen id (N,)).
+    The token at absolute position t depends only on the distribution, the seed and t —
+    the property that makes speculative output identical to plain output.
+    """
+    lp = log_probs(logits, params, histories)
+    ids = sample_coupled(lp, params.seed, positions)
+    p = mx.exp(mx.take_along_axis(lp, ids[:, None], axis=-1)[:, 0])
+    return lp, ids, p
+
+
+def plain_steps(
+    model,
+    caches: Sequence[KVCache],
+    logits: mx.array,
+    context: list[int],
+    params: SamplingParams,
+) -> Iterator[RawStep]:
+    """Plain decoding: one target pass per token, pipelined.
+
+    The next forward pass is queued (`async_eval`) before the current token is read back, so
+    the host never waits idle between passes. `context` holds the committed ids and is
+    appended to; the caches hold every committed id except the newest (it is fed by the next
+    pass), which the driver accounts for when it stops.
+    """
+    want_history = params.repetition_penalty != 1.0
+    _, tok, p = choose(logits[None], params, [len(context)], [context] if want_history else None)
+    mx.async_eval(tok, p)
+    while True:
+        t0 = time.perf_counter()
+        nxt_logits = model(tok[None], cache=list(caches))[0, -1]
+        pos = len(context) + 1
+        tid = tok.item()
+        prob = p.item()
+        context.append(tid)
+        _, nxt_tok, nxt_p = choose(nxt_logits[None], params, [pos],
+                                   [context] if want_history else None)
+        mx.async_eval(nxt_tok, nxt_p)
+        yield RawStep([tid], [TokenKind.TARGET], [prob], verify_s=time.perf_counter() - t0)
+        tok, p = nxt_tok, nxt_p

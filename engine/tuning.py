@@ -1,0 +1,215 @@
+"""Choosing the draft length K (and, in auto mode, the drafter) for each step.
+
+A step with K drafts costs K draft tokens plus one target pass of width K+1, and commits
+on average (1 - a^(K+1)) / (1 - a) tokens when each draft is accepted with probability a.
+We measure the costs once per model/drafter/backend (cached in the app-data dir), keep a
+running acceptance estimate per drafter, and pick the K with the most tokens per second —
+K = 0 (a plain step) when drafting does not pay.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import mlx.core as mx
+
+from engine.cache import make_caches
+from engine.paths import cache_dir
+
+CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+K_MAX = 15
+PRIOR_ACCEPTANCE = {"model": 0.6, "ngram": 0.5, "layerskip": 0.3}
+PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
+
+
+@dataclass
+class CostModel:
+    """Measured seconds: target pass by width, and one draft token per drafter."""
+
+    verify_s: dict[int, float]
+    draft_s: dict[str, float] = field(default_factory=dict)
+
+    def verify(self, width: int) -> float:
+        """Seconds for one target pass over `width` tokens (linear between measurements)."""
+        pts = sorted(self.verify_s.items())
+        if width <= pts[0][0]:
+            return pts[0][1]
+        for (w0, s0), (w1, s1) in zip(pts, pts[1:], strict=False):
+            if width <= w1:
+                return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
+        (w0, s0), (w1, s1) = pts[-2], pts[-1]
+        return s1 + (s1 - s0) / (w1 - w0) * (width - w1)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Mean tokens committed by a step with k drafts at per-token acceptance alpha."""
+    if k <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX) -> tuple[int, float]:
+    """The K in [0, k_max] with the highest expected tokens/s, and that rate."""
+    best = (0, 1.0 / costs.verify(1))
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(alpha, k) / (k * draft_s + costs.verify(k + 1))
+        if rate > best[1]:
+            best = (k, rate)
+    return best
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Discounted counts of accepted vs first-rejected drafts (a geometric model)."""
+
+    prior: float
+    accepted: float = 0.0
+    rejected: float = 0.0
+    decay: float = 0.9
+    weight: float = 2.0  # pseudo-observations the prior is worth
+
+    @property
+    def alpha(self) -> float:
+        a = self.accepted + self.prior * self.weight
+        return min(0.98, a / (a + self.rejected + (1 - self.prior) * self.weight))
+
+    def update(self, n_drafted: int, n_accepted: int) -> None:
+        if n_drafted <= 0:
+            return
+        self.accepted = self.accepted * self.decay + n_accepted
+        self.rejected = self.rejected * self.decay + (1.0 if n_accepted < n_drafted else 0.0)
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm-up (graph building, allocation)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return samples[len(samples) // 2]
+
+
+def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
+                  context: int = 64, reps: int = 5) -> CostModel:
+    """Time target passes of each width after `context` tokens, and draft tokens."""
+    caches = make_caches(model.n_layers)
+    prefix = mx.zeros((1, context), dtype=mx.int32)
+    mx.eval(model(prefix, cache=caches))
+
+    def target_pass(width: int, n_layers: int | None = None) -> Callable[[], object]:
+        def run() -> object:
+            out = model(mx.zeros((1, width), dtype=mx.int32), cache=caches, n_layers=n_layers)
+            mx.eval(out)
+            for c in caches:
+                c.trim(context)
+            return out
+        return run
+
+    verify_s = {w: _time(target_pass(w), reps) for w in CALIBRATION_WIDTHS}
+    draft_s: dict[str, float] = {"ngram": 0.0}
+    if layerskip_layers:
+        draft_s["layerskip"] = _time(target_pass(1, layerskip_layers), reps)
+    if draft_model is not None:
+        d_caches = make_caches(draft_model.n_layers)
+        mx.eval(draft_model(prefix, cache=d_caches))
+
+        def draft_pass() -> object:
+            out = draft_model(mx.zeros((1, 1), dtype=mx.int32), cache=d_caches)
+            mx.eval(out)
+            for c in d_caches:
+                c.trim(context)
+            return out
+
+        draft_s["model"] = _time(draft_pass, reps)
+    return CostModel(verify_s, draft_s)
+
+
+def load_or_measure_costs(key: str, measure: Callable[[], CostModel]) -> CostModel:
+    """Calibration results cached in the app-data dir under `key` (model/drafter/backend)."""
+    path = cache_dir() / "calibration.json"
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    entry = table.get(key)
+    if isinstance(entry, dict):
+        try:
+            return CostModel({int(w): float(s) for w, s in entry["verify_s"].items()},
+                             {str(d): float(s) for d, s in entry["draft_s"].items()})
+        except (KeyError, TypeError, ValueError):
+            pass
+    costs = measure()
+    table[key] = asdict(costs)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=1))
+    tmp.replace(path)
+    return costs
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What to do in the next step: drafter name (None = plain step) and draft length."""
+
+    drafter: str | None
+    k: int
+
+
+class DraftPolicy:
+    """Per step: which drafter and how many tokens, from costs and acceptance so far.
+
+    `mode` is a drafter name or "auto" (among `available`). `fixed_k` pins K. A drafter that
+    keeps failing falls to K = 0, with a short probe every PROBE_EVERY steps so it can recover.
+    `ngram_match(context, k)` reports how many tokens prompt lookup could draft now.
+    """
+
+    def __init__(self, mode: str, available: Sequence[str], costs: CostModel | None,
+                 fixed_k: int | None = None,
+                 ngram_match: Callable[[Sequence[int], int], int] | None = None) -> None:
+        self.mode = mode
+        self.available = tuple(available)
+        self.costs = costs
+        self.fixed_k = fixed_k
+        self.ngram_match = ngram_match
+        self.estimates = {d: AcceptanceEstimate(PRIOR_ACCEPTANCE.get(d, 0.5))
+                          for d in self.available}
+        self._idle = 0
+
+    def _candidates(self) -> tuple[str, ...]:
+        return self.available if self.mode == "auto" else (self.mode,)
+
+    def choose(self, context: Sequence[int]) -> Choice:
+        best = Choice(None, 0)
+        best_rate = 0.0 if self.costs is None else 1.0 / self.costs.verify(1)
+        for name in self._candidates():
+            limit = self.fixed_k or K_MAX
+            if name == "ngram" and self.ngram_match is not None:
+                limit = self.ngram_match(context, limit)
+                if limit == 0:
+                    continue
+            if self.fixed_k is not None or self.costs is None:
+                k, rate = limit, float("inf") if self.fixed_k else 0.0
+            else:
+                alpha = self.estimates[name].alpha
+                k, rate = best_k(alpha, self.costs.draft_s.get(name, 0.0), self.costs, limit)
+            if k > 0 and rate > best_rate:
+                best, best_rate = Choice(name, k), rate
+        if best.drafter is not None:
+            self._idle = 0
+            return best
+        self._idle += 1
+        probe = next((d for d in self._candidates() if d != "ngram"), None)
+        if probe is not None and self._idle >= PROBE_EVERY:
+            self._idle = 0
+            return Choice(probe, 2)
+        return best
+
+    def update(self, choice: Choice, n_drafted: int, n_accepted: int) -> None:
+        if choice.drafter is not None:
+            self.estimates[choice.drafter].update(n_drafted, n_accepted)

@@ -1,0 +1,123 @@
+"""Lossless acceptance: which draft tokens the target keeps, and its own next token.
+
+Both rules see the target's log-distributions for every verified position in one array
+(K+1, V): row i is the distribution of the token at absolute position t0 + i, given the
+committed context plus drafts 1..i. They return a `Verdict`: the accepted prefix length n
+and the target's token at position t0 + n — the REPLACED token when n < K, the BONUS token
+when every draft passed. So every step commits n + 1 >= 1 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from engine.sampling import residual_distribution, sample_categorical, sample_coupled
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(*parts: int) -> int:
+    """splitmix64-style mixing of integers into one 64-bit seed."""
+    h = 0x9E3779B97F4A7C15
+    for p in parts:
+        h = (h ^ (p & _MASK64)) & _MASK64
+        h = (h + 0x9E3779B97F4A7C15) & _MASK64
+        h = ((h ^ (h >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _MASK64
+        h ^= h >> 31
+    return h
+
+
+def draft_key(seed: int, t: int) -> mx.array:
+    """The rejection rule's draft randomness at position t (independent of acceptance)."""
+    return mx.random.key(_mix64(seed, t, 1))
+
+
+def accept_key(seed: int, t0: int, n: int) -> mx.array:
+    """Randomness for the accept tests and resampling of one verify step at t0 with n rows."""
+    return mx.random.key(_mix64(seed, t0, n, 2))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """n_accepted drafts kept, then `token` (the target's own); probs of each draft (target)."""
+
+    n_accepted: int
+    token: int
+    token_prob: float
+    draft_probs: tuple[float, ...]  # target probability of every proposed draft token
+
+
+def _draft_probs(logp_tgt: mx.array, draft_ids: Sequence[int]) -> mx.array:
+    """p_i(d_{i+1}) for every draft (K,)."""
+    K = len(draft_ids)
+    idx = mx.array(list(draft_ids), dtype=mx.int32)[:, None]
+    return mx.exp(mx.take_along_axis(logp_tgt[:K], idx, axis=-1)[:, 0])
+
+
+def verify_coupled(logp_tgt: mx.array, draft_ids: Sequence[int], seed: int, t0: int) -> Verdict:
+    """Accept drafts while each equals the target's own coupled sample at its position.
+
+    Returns the accepted prefix plus one target token; length >= 1. The committed text is
+    therefore exactly what plain decoding with the same seed produces.
+    """
+    K = len(draft_ids)
+    targets = sample_coupled(logp_tgt, seed, list(range(t0, t0 + K + 1)))  # (K+1,)
+    p_tok = mx.exp(mx.take_along_axis(logp_tgt, targets[:, None], axis=-1)[:, 0])
+    p_draft = _draft_probs(logp_tgt, draft_ids) if K else mx.zeros((0,))
+    mx.eval(targets, p_tok, p_draft)
+    s = targets.tolist()
+    n = 0
+    while n < K and draft_ids[n] == s[n]:
+        n += 1
+    return Verdict(n, int(s[n]), float(p_tok[n].item()), tuple(p_draft.tolist()))
+
+
+def verify_rejection(
+    logp_tgt: mx.array,
+    draft_ids: Sequence[int],
+    logq: mx.array | None,
+    seed: int,
+    t0: int,
+) -> Verdict:
+    """Leviathan/Chen speculative sampling: accept d with min(1, p(d)/q(d)).
+
+    On the first rejection, resample from norm(max(0, p - q)); if all K pass, draw a bonus
+    token from p at row K. A deterministic drafter (`logq` None) has q = one-hot at its
+    token, so acceptance becomes p(d) and the residual is p with d removed. Preserves the
+    target distribution exactly; returns the accepted prefix plus one token (length >= 1).
+    """
+    K = len(draft_ids)
+    V = logp_tgt.shape[-1]
+    p = mx.exp(logp_tgt)  # (K+1, V)
+    idx = mx.array(list(draft_ids), dtype=mx.int32)
+    if logq is None:
+        q = mx.zeros((K, V), dtype=mx.float32)
+        if K:
+            q = mx.put_along_axis(q, idx[:, None], mx.ones((K, 1), dtype=mx.float32), axis=-1)
+    else:
+        q = mx.exp(logq.astype(mx.float32))
+    key_u, key_r = mx.random.split(accept_key(seed, t0, K))
+    if K:
+        p_d = mx.take_along_axis(p[:K], idx[:, None], axis=-1)[:, 0]
+        q_d = mx.take_along_axis(q, idx[:, None], axis=-1)[:, 0]
+        ratio = mx.where(q_d > 0, p_d / mx.maximum(q_d, 1e-30), 0.0)
+        u = mx.random.uniform(shape=(K,), key=key_u)
+        accepted = u < mx.minimum(ratio, 1.0)
+        residual = residual_distribution(p[:K], q)  # (K, V)
+        rows = mx.concatenate([residual, p[K:]], axis=0)  # (K+1, V)
+    else:
+        p_d = mx.zeros((0,))
+        accepted = mx.zeros((0,), dtype=mx.bool_)
+        rows = p
+    choices = sample_categorical(rows, key_r)  # (K+1,)
+    p_choice = mx.take_along_axis(p, choices[:, None], axis=-1)[:, 0]
+    mx.eval(accepted, choices, p_choice, p_d)
+    acc = accepted.tolist()
+    n = 0
+    while n < K and acc[n]:
+        n += 1
+    return Verdict(n, int(choices[n].item()), float(p_choice[n].item()), tuple(p_d.tolist()))
