@@ -86,14 +86,17 @@ def hf_hub_cache() -> Path:
 
 
 def _snapshot_of_repo_dir(repo_dir: Path) -> Path | None:
-    """The snapshot `refs/main` names, else the newest snapshot holding a config.json."""
+    """The snapshot `refs/main` names.
+
+    No fallback to other snapshots: the model manager writes the ref only once every file
+    of a download is complete, so a snapshot without it may be a partial download.
+    """
     ref = repo_dir / "refs" / "main"
     if ref.is_file():
         snap = repo_dir / "snapshots" / ref.read_text().strip()
         if (snap / "config.json").exists():
             return snap
-    snaps = [s for s in (repo_dir / "snapshots").glob("*") if (s / "config.json").exists()]
-    return max(snaps, key=lambda s: s.stat().st_mtime) if snaps else None
+    return None
 
 
 def _from_hf_cache(repo_id: str, cache: Path) -> Path | None:

@@ -310,9 +310,10 @@ def test_resolve_repo_id_from_hf_cache(
     monkeypatch.delenv("HF_HUB_CACHE")
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # HF_HOME/hub is the cache
     assert resolve_model_path("tiny-org/tiny-model") == snapshot
-    # a snapshot downloaded by revision has no refs/main; it is still found
+    # without refs/main the snapshot may be a partial download: it is never picked
     (cache / "models--tiny-org--tiny-model" / "refs" / "main").unlink()
-    assert resolve_model_path("tiny-org/tiny-model") == snapshot
+    with pytest.raises(ModelFormatError, match="not in the Hugging Face cache"):
+        resolve_model_path("tiny-org/tiny-model")
 
 
 def test_unknown_repo_id_says_how_to_get_it(
