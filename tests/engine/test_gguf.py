@@ -1,0 +1,370 @@
+"""GGUF import: synthetic tiny GGUFs for layout and errors, the demo GGUF for truth."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import pre_tokenizers
+
+from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
+from engine.gguf import import_gguf
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 128, 2
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+
+
+def vocabulary() -> tuple[list[str], list[int]]:
+    """Specials, the 256 byte-level symbols, then the merged tokens."""
+    tokens = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
+    return tokens, [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to HF q/k rows (per head: halves -> interleaved)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_row_order(n_heads: int, head_dim: int) -> np.ndarray:
+    """hf_row -> gguf_row, spelled out with loops: HF row (h, i, j) sits at GGUF row (h, j, i)."""
+    order = []
+    for h in range(n_heads):
+        for i in range(2):
+            for j in range(head_dim // 2):
+                order.append(h * head_dim + j * 2 + i)
+    return np.array(order)
+
+
+def write_tiny_gguf(path: Path, *, arch: str = "llama", types: dict[str, Q] | None = None,
+                    pre: str = "smollm", tokenizer_model: str = "gpt2", tie: bool = False,
+                    rope_freqs: np.ndarray | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+    """Write a 2-layer GGUF the way llama.cpp's converter lays it out.
+
+    Returns the HF-layout float32 weights (before permuting and quantizing), keyed by GGUF name.
+    `types` picks each tensor's GGUF type (default F32).
+    """
+    types = types or {}
+    rng = np.random.default_rng(seed)
+    tokens, token_types = vocabulary()
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (len(tokens), HIDDEN),
+                                          "output_norm.weight": (HIDDEN,)}
+    if not tie:
+        shapes["output.weight"] = (len(tokens), HIDDEN)
+    for i in range(LAYERS):
+        shapes |= {f"blk.{i}.attn_norm.weight": (HIDDEN,), f"blk.{i}.ffn_norm.weight": (HIDDEN,),
+                   f"blk.{i}.attn_q.weight": (HEADS * HEAD_DIM, HIDDEN),
+                   f"blk.{i}.attn_k.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+                   f"blk.{i}.attn_v.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
+                   f"blk.{i}.attn_output.weight": (HIDDEN, HEADS * HEAD_DIM),
+                   f"blk.{i}.ffn_gate.weight": (FFN, HIDDEN), f"blk.{i}.ffn_up.weight": (FFN, HIDDEN),
+                   f"blk.{i}.ffn_down.weight": (HIDDEN, FFN)}
+        if arch == "qwen2":
+            shapes |= {f"blk.{i}.attn_q.bias": (HEADS * HEAD_DIM,),
+                       f"blk.{i}.attn_k.bias": (KV_HEADS * HEAD_DIM,),
+                       f"blk.{i}.attn_v.bias": (KV_HEADS * HEAD_DIM,)}
+    hf = {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_dimension_count(HEAD_DIM)
+    w.add_rope_freq_base(50000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_eot_token_id(2)
+    w.add_add_bos_token(False)
+    w.add_chat_template(TEMPLATE)
+    for name, x in hf.items():
+        if arch == "llama" and ".attn_q." in name:
+            x = llama_cpp_permute(x, HEADS)
+        elif arch == "llama" and ".attn_k." in name:
+            x = llama_cpp_permute(x, KV_HEADS)
+        kind = types.get(name, Q.F32)
+        if kind == Q.F32:
+            w.add_tensor(name, x)
+        elif kind == Q.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return hf
+
+
+def read_json(folder: Path, name: str) -> Any:
+    return json.loads((folder / name).read_text(encoding="utf-8"))
+
+
+def dequantized(weights: dict[str, mx.array], name: str, bits: int) -> np.ndarray:
+    """In float32, so the comparison is not limited by float16 rounding of the output."""
+    scales = weights[f"{name}.scales"].astype(mx.float32)
+    biases = weights[f"{name}.biases"].astype(mx.float32)
+    return np.array(mx.dequantize(weights[f"{name}.weight"], scales, biases, 32, bits))
+
+
+def gguf_tensor(path: Path, name: str) -> np.ndarray:
+    """A tensor exactly as stored in the GGUF, dequantized by llama.cpp's own Python package."""
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == name)
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.shape[::-1].tolist())
+
+
+MIXED = {"token_embd.weight": Q.Q8_0, "blk.0.attn_q.weight": Q.Q4_0, "blk.1.attn_q.weight": Q.Q8_0,
+         "blk.0.attn_k.weight": Q.Q4_1, "blk.1.attn_k.weight": Q.F16,
+         "blk.0.attn_v.weight": Q.Q4_0, "blk.1.attn_v.weight": Q.Q4_0,
+         "blk.0.ffn_down.weight": Q.Q8_0, "output.weight": Q.F16}
+
+
+def test_config_from_metadata(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf", types=MIXED)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    config = read_json(out, "config.json")
+    assert {k: config[k] for k in ("model_type", "hidden_size", "intermediate_size",
+                                   "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "max_position_embeddings",
+                                   "vocab_size", "tie_word_embeddings", "bos_token_id",
+                                   "eos_token_id")} == {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "vocab_size": 262, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 0}
+    assert config["rope_theta"] == 50000.0
+    assert config["rms_norm_eps"] == pytest.approx(1e-6)
+    assert "head_dim" not in config  # 64 / 4 heads == 16 == rope dims
+    # Most quantized modules are 4-bit; the 8-bit ones are listed one by one.
+    assert config["quantization"] == {
+        "group_size": 32, "bits": 4,
+        "model.embed_tokens": {"group_size": 32, "bits": 8},
+        "model.layers.0.mlp.down_proj": {"group_size": 32, "bits": 8},
+        "model.layers.1.self_attn.q_proj": {"group_size": 32, "bits": 8}}
+    assert read_json(out, "generation_config.json")["eos_token_id"] == [0, 2]
+    tok_config = read_json(out, "tokenizer_config.json")
+    assert tok_config["chat_template"] == TEMPLATE
+    assert (tok_config["bos_token"], tok_config["eos_token"]) == ("<|im_start|>", "<|endoftext|>")
+    assert tok_config["add_bos_token"] is False
+
+
+def test_weights_keep_types_and_get_hf_names(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf", types=MIXED, tie=True)
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    weights = mx.load(str(out / "model.safetensors"))
+    assert read_json(out, "config.json")["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in weights
+    assert weights["model.embed_tokens.weight"].dtype == mx.uint32  # stays quantized
+    assert weights["model.layers.1.self_attn.k_proj.weight"].dtype == mx.float16
+    assert "model.layers.1.self_attn.k_proj.scales" not in weights
+    assert weights["model.layers.0.input_layernorm.weight"].dtype == mx.float32
+    expected = {"model.norm.weight", "model.layers.1.post_attention_layernorm.weight",
+                "model.layers.1.mlp.gate_proj.weight", "model.layers.1.self_attn.o_proj.weight"}
+    assert expected <= set(weights)
+    assert not any(k.startswith(("blk.", "token_embd", "output")) for k in weights)
+
+
+@pytest.mark.parametrize(("layer", "q_type", "k_type"),
+                         [(0, Q.Q4_0, Q.Q4_1), (1, Q.Q8_0, Q.F16)])
+def test_qk_rows_unpermuted_like_reference(tmp_path: Path, layer: int, q_type: Q, k_type: Q
+                                           ) -> None:
+    src = tmp_path / "m.gguf"
+    hf = write_tiny_gguf(src, types=MIXED)
+    weights = mx.load(str(import_gguf(src, tmp_path / "out") / "model.safetensors"))
+    for proj, n_heads, kind in (("q", HEADS, q_type), ("k", KV_HEADS, k_type)):
+        name = f"model.layers.{layer}.self_attn.{proj}_proj"
+        stored = gguf_tensor(src, f"blk.{layer}.attn_{proj}.weight")  # interleaved rows
+        reference = stored[hf_row_order(n_heads, HEAD_DIM)]
+        if kind == Q.F16:
+            got = np.array(weights[f"{name}.weight"].astype(mx.float32))
+        else:
+            got = dequantized(weights, name, 4 if kind in (Q.Q4_0, Q.Q4_1) else 8)
+        np.testing.assert_allclose(got, reference, atol=1e-3)
+        # and that is the original HF matrix, up to quantization error
+        tol = 0.35 if kind in (Q.Q4_0, Q.Q4_1) else 0.03
+        assert np.abs(got - hf[f"blk.{layer}.attn_{proj}.weight"]).max() < tol
+
+
+def test_unpermuted_rows_with_hf_rope_give_llama_cpp_attention_scores(tmp_path: Path) -> None:
+    """GGUF rows + interleaved RoPE == imported rows + half-split RoPE (the decoder's)."""
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src)
+    raw = mx.load(str(src))
+    hf = mx.load(str(import_gguf(src, tmp_path / "out") / "model.safetensors"))
+    x = mx.random.normal((1, 7, HIDDEN), key=mx.random.key(3))
+
+    def scores(wq: mx.array, wk: mx.array, traditional: bool) -> mx.array:
+        q = (x @ wq.T).reshape(1, 7, HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
+        k = (x @ wk.T).reshape(1, 7, KV_HEADS, HEAD_DIM).transpose(0, 2, 1, 3)
+        q = mx.fast.rope(q, HEAD_DIM, traditional=traditional, base=50000.0, scale=1.0, offset=0)
+        k = mx.fast.rope(k, HEAD_DIM, traditional=traditional, base=50000.0, scale=1.0, offset=0)
+        k = mx.repeat(k, HEADS // KV_HEADS, axis=1)
+        return q @ k.transpose(0, 1, 3, 2)  # (1, heads, L, L)
+
+    want = scores(raw["blk.0.attn_q.weight"], raw["blk.0.attn_k.weight"], traditional=True)
+    got = scores(hf["model.layers.0.self_attn.q_proj.weight"],
+                 hf["model.layers.0.self_attn.k_proj.weight"], traditional=False)
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-3)
+    # without un-permuting, the scores would differ
+    wrong = scores(raw["blk.0.attn_q.weight"], raw["blk.0.attn_k.weight"], traditional=False)
+    assert not np.allclose(np.array(wrong), np.array(want), atol=1e-2)
+
+
+def test_qwen2_keeps_row_order_and_maps_biases(tmp_path: Path) -> None:
+    src = tmp_path / "q.gguf"
+    hf = write_tiny_gguf(src, arch="qwen2", pre="qwen2")
+    out = import_gguf(src, tmp_path / "out")
+    weights = mx.load(str(out / "model.safetensors"))
+    assert read_json(out, "config.json")["model_type"] == "qwen2"
+    np.testing.assert_array_equal(np.array(weights["model.layers.0.self_attn.q_proj.weight"]),
+                                  hf["blk.0.attn_q.weight"])
+    np.testing.assert_array_equal(np.array(weights["model.layers.1.self_attn.k_proj.bias"]),
+                                  hf["blk.1.attn_k.bias"])
+
+
+def test_llama3_rope_factors_become_rope_scaling(tmp_path: Path) -> None:
+    # Llama 3.1's published parameters, written the way llama.cpp's converter computes them.
+    factor, low, high, old = 8.0, 1.0, 4.0, 8192
+    factors = []
+    for freq in 1.0 / 50000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM):
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    write_tiny_gguf(tmp_path / "l3.gguf", rope_freqs=np.array(factors))
+    config = read_json(import_gguf(tmp_path / "l3.gguf", tmp_path / "out"), "config.json")
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}
+    write_tiny_gguf(tmp_path / "odd.gguf", rope_freqs=np.linspace(1, 3, HEAD_DIM // 2))
+    with pytest.raises(UnsupportedModelError, match="rope_freqs"):
+        import_gguf(tmp_path / "odd.gguf", tmp_path / "odd")
+
+
+@pytest.mark.parametrize(("pre", "text", "pieces"), [
+    ("smollm", "ab 2024", ["ab", "Ġ", "2", "0", "2", "4"]),
+    ("llama-bpe", "ab 2024", ["ab", "Ġ", "202", "4"]),
+    ("default", "ab 2024", ["ab", "Ġ2024"]),
+    ("qwen2", "ab 2024", ["ab", "Ġ", "2", "0", "2", "4"]),
+])
+def test_pre_tokenizer_follows_ggml_pre(tmp_path: Path, pre: str, text: str, pieces: list[str]
+                                        ) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf", pre=pre)
+    tok = HFTokenizer.from_file(str(import_gguf(tmp_path / "m.gguf", tmp_path / "o") / "tokenizer.json"))
+    assert [p for p, _ in tok.pre_tokenizer.pre_tokenize_str(text)] == pieces
+    tokens, _ = vocabulary()
+    assert tok.encode(" the<|im_end|>").ids == [tokens.index("Ġthe"), 2]
+    assert tok.decode(tok.encode("héllo wörld 🙂").ids) == "héllo wörld 🙂"
+
+
+def test_refuses_other_architectures(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "g.gguf", arch="gpt2")
+    with pytest.raises(UnsupportedModelError, match=r"g\.gguf.*architecture 'gpt2'"):
+        import_gguf(tmp_path / "g.gguf", tmp_path / "out")
+    assert list(tmp_path.iterdir()) == [tmp_path / "g.gguf"]  # nothing half-written
+
+
+def test_refuses_sentencepiece_and_unknown_pre(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "spm.gguf", tokenizer_model="llama")
+    with pytest.raises(UnsupportedModelError, match="tokenizer model 'llama'"):
+        import_gguf(tmp_path / "spm.gguf", tmp_path / "a")
+    write_tiny_gguf(tmp_path / "pre.gguf", pre="mystery")
+    with pytest.raises(UnsupportedModelError, match="'mystery'"):
+        import_gguf(tmp_path / "pre.gguf", tmp_path / "b")
+
+
+def test_refuses_unreadable_tensor_type(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "k.gguf", types={"blk.0.ffn_up.weight": Q.Q5_0})
+    with pytest.raises(UnsupportedModelError, match=r"k\.gguf: tensor types Q5_0 \(1 tensors\)"):
+        import_gguf(tmp_path / "k.gguf", tmp_path / "out")
+
+
+def test_truncated_and_foreign_files(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf")
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ModelFormatError, match=r"cut\.gguf: truncated"):
+        import_gguf(tmp_path / "cut.gguf", tmp_path / "out")
+    (tmp_path / "notes.gguf").write_text("just some text, not a model")
+    with pytest.raises(ModelFormatError, match=r"notes\.gguf: not a GGUF"):
+        import_gguf(tmp_path / "notes.gguf", tmp_path / "out")
+    with pytest.raises(ModelFormatError, match="no such file"):
+        import_gguf(tmp_path / "missing.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_existing_destination(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "m.gguf")
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    with pytest.raises(EngineError, match="already exists"):
+        import_gguf(tmp_path / "m.gguf", out)
+    (out / "stale.txt").write_text("old import")
+    import_gguf(tmp_path / "m.gguf", out, overwrite=True)
+    assert not (out / "stale.txt").exists() and (out / "model.safetensors").is_file()
+    other = tmp_path / "documents"
+    other.mkdir()
+    (other / "thesis.txt").write_text("precious")
+    with pytest.raises(EngineError, match="not a model folder"):
+        import_gguf(tmp_path / "m.gguf", other, overwrite=True)
+    assert (other / "thesis.txt").read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["documents", "m.gguf", "out"]
+
+
+@pytest.mark.slow
+def test_demo_gguf_config(demo_model_dir: Path) -> None:
+    config = read_json(demo_model_dir, "config.json")
+    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "intermediate_size", "vocab_size",
+                                   "tie_word_embeddings", "rope_theta")} == {
+        "hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+        "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+        "tie_word_embeddings": True, "rope_theta": 100000.0}
+    # Q4_1 file: 4-bit layers, the embedding table is Q8_0
+    assert config["quantization"] == {"group_size": 32, "bits": 4,
+                                      "model.embed_tokens": {"group_size": 32, "bits": 8}}
+    assert read_json(demo_model_dir, "generation_config.json")["eos_token_id"] == [2]
+
+
+@pytest.mark.slow
+def test_demo_answers_like_smollm2_through_mlx_lm(demo_model_dir: Path) -> None:
+    """mlx-lm (independent loader and model code) reads the imported folder as SmolLM2.
+
+    One teacher-forced pass: after the chat prompt the greedy token is "The", and after
+    "The capital of France is" it is " Paris" (a wrong q/k layout gives neither).
+    """
+    from mlx_lm.utils import dequantize_model, load
+
+    model, tokenizer = load(str(demo_model_dir))
+    model = dequantize_model(model)  # quantized matmuls are slow on MLX's CPU backend
+    model.set_dtype(mx.float32)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    answer_ids = tokenizer.encode("The capital of France is", add_special_tokens=False)
+    logits = model(mx.array([prompt_ids + answer_ids]))
+    greedy = mx.argmax(logits[0], axis=-1).tolist()
+    assert tokenizer.decode([greedy[len(prompt_ids) - 1]]) == "The"
+    assert tokenizer.decode([greedy[-1]]) == " Paris"

@@ -1,0 +1,340 @@
+"""Tokenizer: chat templates in the sandbox, stop ids, streaming detokenizer, demo vocab."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from engine.errors import ModelFormatError, PromptError, TemplateError
+from engine.tokenizer import StreamingDetokenizer, Tokenizer
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HELLO = [{"role": "user", "content": "Hi there"}]
+
+
+def write_folder(path: Path, *, template: Any = CHAT, tok_config: dict[str, Any] | None = None,
+                 config: dict[str, Any] | None = None,
+                 gen_config: dict[str, Any] | None = None) -> Path:
+    """A model folder's tokenizer files: byte-level BPE over all 256 bytes, a few merges."""
+    path.mkdir(parents=True, exist_ok=True)
+    tokens = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
+    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)},
+                                 [("Ġ", "t"), ("h", "e"), ("Ġt", "he")]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok.save(str(path / "tokenizer.json"))
+    tc = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", **(tok_config or {})}
+    if template is not None:
+        tc["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(tc))
+    for name, data in (("config.json", config), ("generation_config.json", gen_config)):
+        if data is not None:
+            (path / name).write_text(json.dumps(data))
+    return path
+
+
+def load(tmp_path: Path, **kwargs: Any) -> Tokenizer:
+    return Tokenizer.from_folder(write_folder(tmp_path / "m", **kwargs))
+
+
+# ------------------------------------------------------------------------- chat templates
+
+
+def test_renders_template_with_and_without_generation_prompt(tmp_path: Path) -> None:
+    tok = load(tmp_path)
+    assert tok.apply_chat_template(HELLO) == (
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.apply_chat_template(HELLO, add_generation_prompt=False) == (
+        "<|im_start|>user\nHi there<|im_end|>\n")
+    assert tok.template_warning is None
+    ids = tok.encode_chat(HELLO)
+    assert ids[0] == 1 and ids.count(1) == 2  # two <|im_start|>, nothing prepended
+    assert tok.decode(ids) == tok.apply_chat_template(HELLO)
+
+
+def test_trim_blocks_like_hf(tmp_path: Path) -> None:
+    template = ("{% for m in messages %}\n    {% if m['role'] == 'user' %}\n"
+                "[{{ m['content'] }}]\n    {% endif %}\n{% endfor %}")
+    assert load(tmp_path, template=template).apply_chat_template(HELLO) == "[Hi there]\n"
+
+
+@pytest.mark.parametrize(("add_bos", "template", "first_ids"), [
+    (True, "{{ bos_token }}" + CHAT, [0, 1]),  # template renders BOS: not added again
+    (True, CHAT, [0, 1]),                      # template lacks it: added once
+    (False, CHAT, [1]),                        # not wanted: nothing added
+])
+def test_encode_chat_never_doubles_bos(tmp_path: Path, add_bos: bool, template: str,
+                                       first_ids: list[int]) -> None:
+    tok = load(tmp_path, template=template,
+               tok_config={"add_bos_token": add_bos, "bos_token": "<|endoftext|>"})
+    ids = tok.encode_chat(HELLO)
+    assert tok.bos_token_id == 0
+    assert ids[:len(first_ids)] == first_ids
+    assert ids.count(0) == (1 if add_bos else 0)
+
+
+def test_no_bos_prepended_without_add_bos(tmp_path: Path) -> None:
+    tok = load(tmp_path, tok_config={"add_bos_token": False, "bos_token": "<|endoftext|>"})
+    assert 0 not in tok.encode_chat(HELLO)
+    assert tok.encode("the", add_special_tokens=True) == tok.encode("the")
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__ }}",
+    "{{ ''.__class__ }}",
+    "{{ cycler.__init__.__globals__ }}",
+    "{{ messages[0].__class__.__subclasses__() }}",
+    "{% set x = messages.append({'role': 'user', 'content': 'x'}) %}",
+    "{{ 'a' * 100000000 }}",
+    "{{ 9 ** 9999999 }}",
+])
+def test_sandbox_escapes_are_refused(tmp_path: Path, template: str) -> None:
+    tok = load(tmp_path, template=template)
+    with pytest.raises(TemplateError, match="sandbox"):
+        tok.apply_chat_template(HELLO)
+
+
+def test_escape_payload_is_never_executed(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    template = ("{{ cycler.__init__.__globals__.os.system('touch " + str(marker) + "') }}"
+                "{{ joiner.__init__.__globals__['__builtins__']['open']('" + str(marker)
+                + "', 'w') }}")
+    with pytest.raises(TemplateError):
+        load(tmp_path, template=template).apply_chat_template(HELLO)
+    assert not marker.exists()
+
+
+def test_raise_exception_reports_the_templates_message(tmp_path: Path) -> None:
+    template = ("{% if messages[0]['role'] != 'system' %}"
+                "{{ raise_exception('Conversations must start with a system message') }}"
+                "{% endif %}")
+    with pytest.raises(TemplateError, match="must start with a system message"):
+        load(tmp_path, template=template).apply_chat_template(HELLO)
+
+
+def test_helpers_tojson_and_strftime_now(tmp_path: Path) -> None:
+    template = ("{{ {'tool': '<b>é</b>', 'n': [1, 2]} | tojson }}|"
+                "{{ messages | tojson(indent=1) | length > 10 }}|{{ strftime_now('%Y') }}")
+    out = load(tmp_path, template=template).apply_chat_template(HELLO)
+    assert out == f'{{"tool": "<b>é</b>", "n": [1, 2]}}|True|{datetime.now().year}'
+
+
+def test_template_variables_and_extra_kwargs(tmp_path: Path) -> None:
+    template = "{{ bos_token }}|{{ eos_token }}|{{ enable_thinking }}"
+    out = load(tmp_path, template=template).apply_chat_template(HELLO, enable_thinking=False)
+    assert out == "<|im_start|>|<|im_end|>|False"
+
+
+def test_named_templates_pick_default_and_jinja_file_wins(tmp_path: Path) -> None:
+    named = [{"name": "tool_use", "template": "TOOLS"}, {"name": "default", "template": "PLAIN"}]
+    assert load(tmp_path / "a", template=named).apply_chat_template(HELLO) == "PLAIN"
+    folder = write_folder(tmp_path / "b")
+    (folder / "chat_template.jinja").write_text("FROM FILE {{ messages | length }}")
+    assert Tokenizer.from_folder(folder).apply_chat_template(HELLO) == "FROM FILE 1"
+
+
+def test_missing_template_falls_back_to_chatml_with_warning(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="no chat template; using ChatML"):
+        tok = load(tmp_path, template=None, tok_config={"eos_token": "<|endoftext|>"})
+    assert tok.template_warning is not None and "ChatML" in tok.template_warning
+    assert tok.apply_chat_template(HELLO) == (
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.eos_token_ids == {0, 2}  # its own eos, and the end of a ChatML turn
+
+
+def test_syntax_error_is_reported_at_load(tmp_path: Path) -> None:
+    with pytest.raises(TemplateError, match="syntax error"):
+        load(tmp_path, template="{% for m in messages %}{{ m['content'] }")
+
+
+def test_bad_messages_are_prompt_errors(tmp_path: Path) -> None:
+    tok = load(tmp_path)
+    with pytest.raises(PromptError):
+        tok.apply_chat_template([])
+    with pytest.raises(PromptError, match=r"messages\[1\]"):
+        tok.apply_chat_template([*HELLO, {"role": "user", "content": None}])
+
+
+# ------------------------------------------------------------------------------ folders
+
+
+def test_eos_ids_are_the_union_of_every_source(tmp_path: Path) -> None:
+    tok = load(tmp_path, config={"eos_token_id": [0, 5], "bos_token_id": 1},
+               gen_config={"eos_token_id": 7})
+    assert tok.eos_token_ids == frozenset({0, 2, 5, 7})
+    assert tok.bos_token_id == 1
+    tok = load(tmp_path / "x", config={"eos_token_id": 9}, gen_config={"eos_token_id": [9, 4]})
+    assert tok.eos_token_ids == frozenset({2, 4, 9})
+
+
+def test_special_tokens_as_dicts(tmp_path: Path) -> None:
+    tok = load(tmp_path, tok_config={"eos_token": {"content": "<|endoftext|>", "special": True}})
+    assert tok.eos_token_ids == {0}
+
+
+def test_folder_errors(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelFormatError, match="tokenizer.json"):
+        Tokenizer.from_folder(tmp_path / "empty")
+    folder = write_folder(tmp_path / "bad")
+    (folder / "tokenizer_config.json").write_text("{ not json")
+    with pytest.raises(ModelFormatError, match="tokenizer_config.json: not valid JSON"):
+        Tokenizer.from_folder(folder)
+    (folder / "tokenizer_config.json").write_text("{}")
+    (folder / "tokenizer.json").write_text('{"model": 3}')
+    with pytest.raises(ModelFormatError, match="tokenizer.json: cannot be read"):
+        Tokenizer.from_folder(folder)
+
+
+def test_text_round_trip_and_specials(tmp_path: Path) -> None:
+    tok = load(tmp_path)
+    for text in ["the cat", "héllo wörld", "日本語", "🙂👨‍👩‍👧", "x = {'a': [1, 2]}\n\tpass"]:
+        assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("<|im_end|>") == [2]
+    assert tok.encode(" the") == [261]  # merged all the way to "Ġthe"
+    assert tok.vocab_size == 262
+    assert tok.token_text(2) == "<|im_end|>"
+
+
+# ------------------------------------------------------------------ streaming detokenizer
+
+
+def stream(tok: Tokenizer, ids: list[int]) -> list[str]:
+    d = tok.detokenizer()
+    return [d.add(i) for i in ids] + [d.flush()]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    return Tokenizer.from_folder(write_folder(tmp_path_factory.mktemp("bytes") / "m"))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ids=st.lists(st.integers(0, 261), max_size=40))
+def test_stream_equals_full_decode_for_any_ids(byte_tokenizer: Tokenizer, ids: list[int]) -> None:
+    """Any id sequence, including invalid UTF-8 byte runs."""
+    assert "".join(stream(byte_tokenizer, ids)) == byte_tokenizer.decode(ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(st.characters(blacklist_characters="\ufffd", blacklist_categories=("Cs",)),
+                    max_size=30))
+def test_stream_never_splits_a_character(byte_tokenizer: Tokenizer, text: str) -> None:
+    ids = byte_tokenizer.encode(text)
+    pieces = stream(byte_tokenizer, ids)
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_holds_partial_characters_back(byte_tokenizer: Tokenizer) -> None:
+    ids = byte_tokenizer.encode("a😀b")  # 😀 is 4 byte tokens
+    assert len(ids) == 6
+    assert stream(byte_tokenizer, ids) == ["a", "", "", "", "😀", "b", ""]
+    d = byte_tokenizer.detokenizer()
+    assert [d.add(i) for i in ids[:3]] == ["a", "", ""]
+    assert d.flush() == "\ufffd"  # a reply cut mid-character shows that it was cut
+
+
+def test_stream_decodes_a_bounded_window() -> None:
+    """Each step decodes a handful of ids, however long the reply (O(1) per token)."""
+    seen: list[int] = []
+
+    def decode(ids: list[int]) -> str:
+        seen.append(len(ids))
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    d = StreamingDetokenizer(decode)
+    out = "".join(d.add(i) for i in range(5000)) + d.flush()
+    assert out == decode(list(range(5000)))
+    assert max(seen[:-1]) <= 2
+
+
+# ----------------------------------------------------------------------- the demo model
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(demo_model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_folder(demo_model_dir)
+
+
+@pytest.fixture(scope="module")
+def oracle(demo_gguf_path: Path) -> Any:
+    """transformers' own GGUF tokenizer builder (it needs no torch for this part)."""
+    mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
+    import mlx.core as mx
+
+    _, meta = mx.load(str(demo_gguf_path), return_metadata=True)
+    backend, _ = mapping.convert_gguf_tokenizer("llama", {
+        "tokenizer_type": "gpt2", "pre_tokenizer_type": meta["tokenizer.ggml.pre"],
+        "tokens": meta["tokenizer.ggml.tokens"], "merges": meta["tokenizer.ggml.merges"],
+        "token_type": meta["tokenizer.ggml.token_type"].tolist()})
+    return backend
+
+
+@pytest.mark.slow
+def test_demo_digits_are_one_token_each(demo_tokenizer: Tokenizer) -> None:
+    """SmolLM2 splits numbers digit by digit (its HF tokenizer's Digits pre-tokenizer)."""
+    for number in ["2024", "3.14159", "1000000"]:
+        ids = demo_tokenizer.encode(number)
+        assert [demo_tokenizer.token_text(i) for i in ids] == list(number)
+    ids = demo_tokenizer.encode("in 1999 there")
+    assert [demo_tokenizer.token_text(i) for i in ids] == ["in", " ", "1", "9", "9", "9", " there"]
+
+
+@pytest.mark.slow
+def test_demo_round_trips_code_and_unicode(demo_tokenizer: Tokenizer) -> None:
+    for text in ["def f(x):\n    return {'k': x ** 2}  # ok\n",
+                 "Café, naïve, São Paulo, Zürich", "日本語のテキスト、中文", "emoji 🙂🚀👨‍👩‍👧 done",
+                 "  leading and trailing  ", "tabs\tand\r\nnewlines"]:
+        ids = demo_tokenizer.encode(text)
+        assert demo_tokenizer.decode(ids) == text
+        assert "".join(stream(demo_tokenizer, ids)) == text
+
+
+@pytest.mark.slow
+def test_demo_special_tokens_are_single_ids(demo_tokenizer: Tokenizer) -> None:
+    assert demo_tokenizer.encode("<|endoftext|>") == [0]
+    assert demo_tokenizer.encode("<|im_start|>user") == [1, 4093]
+    assert demo_tokenizer.encode("<|im_end|>") == [2]
+    assert demo_tokenizer.eos_token_ids == {2}
+    assert demo_tokenizer.vocab_size == 49152
+
+
+@pytest.mark.slow
+def test_demo_chat_prompt(demo_tokenizer: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    text = demo_tokenizer.apply_chat_template(messages)
+    assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                    "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is the capital of France?"
+                    "<|im_end|>\n<|im_start|>assistant\n")
+    ids = demo_tokenizer.encode_chat(messages)
+    assert ids.count(1) == 3 and ids[0] == 1  # three <|im_start|>, no extra BOS
+    assert demo_tokenizer.decode(ids) == text
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=40))
+def test_demo_ids_match_transformers(demo_tokenizer: Tokenizer, oracle: Any, text: str) -> None:
+    assert demo_tokenizer.encode(text) == oracle.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.slow
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ids=st.lists(st.one_of(st.integers(0, 49151),
+                              st.sampled_from([40993, 179, 120, 248, 15107, 235, 241, 115])),
+                    max_size=30))
+def test_demo_stream_equals_full_decode(demo_tokenizer: Tokenizer, ids: list[int]) -> None:
+    assert "".join(stream(demo_tokenizer, ids)) == demo_tokenizer.decode(ids)
