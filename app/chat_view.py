@@ -1,0 +1,408 @@
+"""The conversation: one card per message, replies styled token by token or as Markdown.
+
+With "show speculation" on, a reply's tokens are coloured by fate (legend at the top) and
+hovering one names its kind and the target's probability; off, the reply is clean Markdown
+with highlighted code blocks and copy links. Both come from `app.token_render`; this module
+only lays them out and reacts to the controller. Rendering during streaming is coalesced
+to one refresh per event-loop turn, so a burst of steps costs one layout.
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, QUrl, Signal
+from PySide6.QtGui import QGuiApplication, QTextCursor, QTextDocument
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QScrollArea,
+    QSizePolicy,
+    QTextBrowser,
+    QToolButton,
+    QToolTip,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.controller import ChatController
+from app.store import FAILED, GENERATING, INTERRUPTED, STOPPED, Message, stats_from_dict
+from app.theme import widget_is_dark
+from app.token_render import (
+    COPY_SCHEME,
+    KIND_STYLES,
+    LEGEND_ORDER,
+    footer_text,
+    kind_css,
+    markdown_html,
+    plain_html,
+    tokens_html,
+    wrap_pre,
+)
+from engine.events import Stats, Step
+
+STATUS_TEXT = {
+    GENERATING: "generating…",
+    STOPPED: "stopped",
+    INTERRUPTED: "interrupted — the app closed before this reply finished",
+    FAILED: "failed",
+}
+
+
+class TokenBrowser(QTextBrowser):
+    """A read-only rich-text box that is as tall as its content and shows token tooltips."""
+
+    def __init__(self, parent: QWidget | None = None, *, fit_height: bool = True) -> None:
+        super().__init__(parent)
+        self.code_blocks: list[str] = []
+        self.setOpenLinks(False)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.anchorClicked.connect(self._on_anchor_clicked)
+        self._fit = fit_height
+        if fit_height:
+            self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+            self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+            self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+            self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
+        self.viewport().setAutoFillBackground(False)
+
+    def _fit_height(self, *_: object) -> None:
+        self.setFixedHeight(int(self.document().size().height()) + 4)
+
+    def tooltip_at(self, pos: QPoint) -> str:
+        """The tooltip of the character under viewport position `pos` ('' if none)."""
+        layout = self.document().documentLayout()
+        offset = QPoint(self.horizontalScrollBar().value(), self.verticalScrollBar().value())
+        at = layout.hitTest(pos + offset, Qt.HitTestAccuracy.ExactHit)
+        if at < 0:
+            return ""
+        cursor = QTextCursor(self.document())
+        cursor.setPosition(at + 1)  # the format of the character *before* the cursor
+        return cursor.charFormat().toolTip()
+
+    def viewportEvent(self, event: QEvent) -> bool:  # noqa: N802 - Qt override
+        if event.type() == QEvent.Type.ToolTip:
+            tip = self.tooltip_at(event.pos())
+            if tip:
+                QToolTip.showText(event.globalPos(), tip, self.viewport())
+            else:
+                QToolTip.hideText()
+            return True
+        return super().viewportEvent(event)
+
+    def _on_anchor_clicked(self, url: QUrl) -> None:
+        if url.scheme() == COPY_SCHEME:
+            index = int(url.path() or "-1")
+            if 0 <= index < len(self.code_blocks):
+                QGuiApplication.clipboard().setText(self.code_blocks[index])
+
+
+class MessageCard(QFrame):
+    """One message: role, actions, body, and (for replies) the numbers footer."""
+
+    copy_requested = Signal(int)
+    edit_requested = Signal(int)
+    regenerate_requested = Signal(int)
+
+    def __init__(self, message: Message, view: ChatView) -> None:
+        super().__init__()
+        self.view = view
+        self.message = message
+        self.steps: list[Step] = list(message.steps)
+        self.live_stats: Stats | None = None
+        self.setObjectName("userMessage" if message.role == "user" else "assistantMessage")
+        self.role_label = QLabel("You" if message.role == "user" else "Assistant")
+        self.role_label.setObjectName("roleLabel")
+        self.browser = TokenBrowser()
+        self.footer = QLabel("")
+        self.footer.setObjectName("messageFooter")
+        self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        header = QHBoxLayout()
+        header.setContentsMargins(0, 0, 0, 0)
+        header.addWidget(self.role_label)
+        header.addStretch(1)
+        self.copy_button = self._action("Copy", "Copy this message", self.copy_requested)
+        header.addWidget(self.copy_button)
+        if message.role == "user":
+            header.addWidget(self._action("Edit", "Edit and resend", self.edit_requested))
+        else:
+            self.regenerate_button = self._action("Regenerate", "Generate this reply again",
+                                                  self.regenerate_requested)
+            header.addWidget(self.regenerate_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(12, 8, 12, 8)
+        layout.setSpacing(2)
+        layout.addLayout(header)
+        layout.addWidget(self.browser)
+        layout.addWidget(self.footer)
+        self.render()
+
+    def _action(self, text: str, tip: str, signal) -> QToolButton:
+        button = QToolButton()
+        button.setText(text)
+        button.setToolTip(tip)
+        button.setAutoRaise(True)
+        button.clicked.connect(lambda: signal.emit(self.message.id))
+        return button
+
+    @property
+    def message_id(self) -> int:
+        return self.message.id
+
+    def document(self) -> QTextDocument:
+        return self.browser.document()
+
+    def add_step(self, step: Step, stats: Stats) -> None:
+        self.steps.append(step)
+        self.live_stats = stats
+
+    def finish(self, message: Message) -> None:
+        self.message = message
+        self.steps = list(message.steps)
+        self.live_stats = None
+        self.render()
+
+    def text(self) -> str:
+        """The reply's committed text as it stands (streaming or final)."""
+        if self.message.status == GENERATING:
+            return "".join(s.text for s in self.steps)
+        return self.message.content
+
+    def render(self) -> None:
+        dark = widget_is_dark(self.view)  # the view follows the app palette immediately
+        m = self.message
+        if m.role != "assistant":
+            self.browser.code_blocks = []
+            self.browser.setHtml(plain_html(m.content))
+        elif self.view.show_speculation and self.steps:
+            self.browser.code_blocks = []
+            self.browser.setHtml(wrap_pre(tokens_html(
+                self.steps, show_rejected=self.view.show_rejected, dark=dark)))
+        else:
+            rendered = markdown_html(self.text(), dark)
+            self.browser.code_blocks = rendered.code_blocks
+            self.browser.setHtml(rendered.html)
+        self._render_footer()
+
+    def _render_footer(self) -> None:
+        m = self.message
+        if m.role != "assistant":
+            self.footer.hide()
+            return
+        parts = []
+        stats = self.live_stats if m.status == GENERATING else stats_from_dict(m.stats)
+        if stats is not None and stats.generated_tokens:
+            parts.append(footer_text(stats))
+        note = STATUS_TEXT.get(m.status)
+        if note:
+            parts.append(note)
+        if m.error:
+            parts.append(m.error)
+        if m.comparison:
+            c = m.comparison
+            same = "identical output" if c.get("identical") else "outputs differ"
+            parts.append(f"{c.get('speedup', 0):.2f}× vs plain ({same})")
+        self.footer.setText(" · ".join(parts))
+        self.footer.setVisible(bool(parts))
+
+
+class Legend(QWidget):
+    """Colour chips for every token kind, in the palette currently showing."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.label = QLabel()
+        self.label.setTextFormat(Qt.TextFormat.RichText)
+        # Narrow windows clip the legend rather than forcing the whole window wider.
+        self.label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.label.setMinimumWidth(60)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addWidget(self.label)
+        self.refresh()
+
+    def refresh(self) -> None:
+        dark = widget_is_dark(self)
+        chips = []
+        for kind in LEGEND_ORDER:
+            style = KIND_STYLES[kind]
+            css = kind_css(kind, dark) or ""
+            chips.append(f'<span style="{css}">&nbsp;{style.label}&nbsp;</span>')
+        self.label.setText("&nbsp;&nbsp;".join(chips))
+        self.label.setToolTip("\n".join(
+            f"{KIND_STYLES[k].label}: {KIND_STYLES[k].meaning}" for k in LEGEND_ORDER))
+
+
+class ChatView(QWidget):
+    """The scrollable list of message cards for the open conversation."""
+
+    edit_requested = Signal(int, str)  # message id, its text (for the composer)
+
+    def __init__(self, controller: ChatController, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.controller = controller
+        self.show_speculation = True
+        self.show_rejected = True
+        self.cards: list[MessageCard] = []
+        self._dirty: set[int] = set()
+        self._follow = True
+
+        self.legend = Legend()
+        self.speculation_box = QCheckBox("Show speculation")
+        self.speculation_box.setChecked(True)
+        self.speculation_box.setToolTip("Colour each token by its fate; off shows clean Markdown")
+        self.rejected_box = QCheckBox("Rejected guesses")
+        self.rejected_box.setChecked(True)
+        self.rejected_box.setToolTip("Show discarded draft tokens as struck-through ghosts")
+        bar = QHBoxLayout()
+        bar.setContentsMargins(12, 6, 12, 2)
+        bar.addWidget(self.legend, 1)
+        bar.addWidget(self.rejected_box)
+        bar.addWidget(self.speculation_box)
+
+        self.column = QWidget()
+        self.column.setObjectName("chatColumn")
+        self.column_layout = QVBoxLayout(self.column)
+        self.column_layout.setContentsMargins(12, 8, 12, 8)
+        self.column_layout.setSpacing(10)
+        self.column_layout.addStretch(1)
+        self.empty_label = QLabel("Type a question below and press Enter.")
+        self.empty_label.setObjectName("emptyHint")
+        self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.column_layout.insertWidget(0, self.empty_label)
+        self.scroll = QScrollArea()
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.Shape.NoFrame)
+        self.scroll.setWidget(self.column)
+        self.scroll.verticalScrollBar().rangeChanged.connect(self._on_range_changed)
+        self.scroll.verticalScrollBar().valueChanged.connect(self._on_scrolled)
+
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.setSpacing(0)
+        layout.addLayout(bar)
+        layout.addWidget(self.scroll, 1)
+
+        self._render_timer = QTimer(self)
+        self._render_timer.setSingleShot(True)
+        self._render_timer.setInterval(0)
+        self._render_timer.timeout.connect(self._render_dirty)
+
+        self.speculation_box.toggled.connect(self.set_show_speculation)
+        self.rejected_box.toggled.connect(self.set_show_rejected)
+        controller.conversation_opened.connect(self._on_conversation_opened)
+        controller.message_added.connect(self._on_message_added)
+        controller.step_received.connect(self._on_step_received)
+        controller.reply_finished.connect(self._on_reply_finished)
+        controller.reply_discarded.connect(self._on_reply_discarded)
+
+    # -- public --------------------------------------------------------------------------
+    def card_for(self, message_id: int) -> MessageCard | None:
+        return next((c for c in self.cards if c.message_id == message_id), None)
+
+    def set_show_speculation(self, on: bool) -> None:
+        self.show_speculation = on
+        if self.speculation_box.isChecked() != on:
+            self.speculation_box.setChecked(on)
+        self.legend.setVisible(on)
+        self.rejected_box.setEnabled(on)
+        self.render_all()
+
+    def set_show_rejected(self, on: bool) -> None:
+        self.show_rejected = on
+        if self.rejected_box.isChecked() != on:
+            self.rejected_box.setChecked(on)
+        self.render_all()
+
+    def render_all(self) -> None:
+        self.legend.refresh()
+        for card in self.cards:
+            card.render()
+
+    def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
+        if event.type() == QEvent.Type.PaletteChange:
+            self.render_all()  # token colours and code highlighting have dark variants
+        super().changeEvent(event)
+
+    # -- controller events ---------------------------------------------------------------
+    def _clear(self) -> None:
+        for card in self.cards:
+            self.column_layout.removeWidget(card)
+            card.deleteLater()
+        self.cards.clear()
+        self._dirty.clear()
+
+    def _on_conversation_opened(self, messages: list[Message]) -> None:
+        self._clear()
+        for m in messages:
+            self._append_card(m)
+        self._follow = True
+        self._update_empty()
+
+    def _append_card(self, message: Message) -> MessageCard:
+        card = MessageCard(message, self)
+        card.copy_requested.connect(self._on_copy_requested)
+        card.edit_requested.connect(self._on_edit_requested)
+        card.regenerate_requested.connect(self.controller.regenerate)
+        self.column_layout.insertWidget(self.column_layout.count() - 1, card)
+        self.cards.append(card)
+        return card
+
+    def _update_empty(self) -> None:
+        self.empty_label.setVisible(not self.cards)
+
+    def _on_message_added(self, message: Message) -> None:
+        if message.conversation_id != self.controller.conversation_id:
+            return
+        self._append_card(message)
+        self._follow = True
+        self._update_empty()
+
+    def _on_step_received(self, message_id: int, step: Step, stats: Stats) -> None:
+        card = self.card_for(message_id)
+        if card is None:
+            return
+        card.add_step(step, stats)
+        self._dirty.add(message_id)
+        self._render_timer.start()
+
+    def _render_dirty(self) -> None:
+        for message_id in self._dirty:
+            card = self.card_for(message_id)
+            if card is not None:
+                card.render()
+        self._dirty.clear()
+
+    def _on_reply_finished(self, message: Message) -> None:
+        card = self.card_for(message.id)
+        if card is not None:
+            self._dirty.discard(message.id)
+            card.finish(message)
+
+    def _on_reply_discarded(self, message_id: int) -> None:
+        card = self.card_for(message_id)
+        if card is not None:
+            self.cards.remove(card)
+            self.column_layout.removeWidget(card)
+            card.deleteLater()
+        self._update_empty()
+
+    def _on_copy_requested(self, message_id: int) -> None:
+        card = self.card_for(message_id)
+        if card is not None:
+            QGuiApplication.clipboard().setText(card.text())
+
+    def _on_edit_requested(self, message_id: int) -> None:
+        card = self.card_for(message_id)
+        if card is not None:
+            self.edit_requested.emit(message_id, card.text())
+
+    # -- keep the newest text in view while streaming, unless the user scrolled up ------
+    def _on_scrolled(self, value: int) -> None:
+        bar = self.scroll.verticalScrollBar()
+        self._follow = value >= bar.maximum() - 24
+
+    def _on_range_changed(self, _min: int, maximum: int) -> None:
+        if self._follow:
+            self.scroll.verticalScrollBar().setValue(maximum)

@@ -1,0 +1,154 @@
+"""Speculative vs plain: the same prompt and seed decoded both ways, side by side.
+
+The controller runs the two on the engine worker one after the other (the speculative run
+is also the chat's reply); this view shows each in its own pane with its own gauge, then
+the measured speedup and whether the two texts are identical (with the coupled acceptance
+rule they must be).
+"""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtWidgets import (
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QPushButton,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.chat_view import TokenBrowser
+from app.controller import ChatController, ComparisonResult
+from app.gauge import GaugeWidget
+from app.theme import widget_is_dark
+from app.token_render import tokens_html, wrap_pre
+from engine.events import Stats, Step
+
+
+class ComparisonPane(QFrame):
+    """One run: its title, its token-styled text, its own gauge."""
+
+    def __init__(self, title: str, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("comparisonPane")
+        self.steps: list[Step] = []
+        self.title = QLabel(title)
+        self.title.setObjectName("paneTitle")
+        self.browser = TokenBrowser(fit_height=False)
+        self.gauge = GaugeWidget("")
+        self.gauge.title.hide()
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 8, 8, 8)
+        layout.addWidget(self.title)
+        layout.addWidget(self.browser, 1)
+        layout.addWidget(self.gauge)
+        self._timer = QTimer(self)
+        self._timer.setSingleShot(True)
+        self._timer.setInterval(0)
+        self._timer.timeout.connect(self.render)
+
+    def reset(self, title: str) -> None:
+        self.title.setText(title)
+        self.steps = []
+        self.gauge.reset()
+        self.browser.clear()
+
+    def add_step(self, step: Step, stats: Stats) -> None:
+        self.steps.append(step)
+        self.gauge.show_stats(stats)
+        self._timer.start()
+
+    def render(self) -> None:
+        self.browser.setHtml(wrap_pre(tokens_html(self.steps, dark=widget_is_dark(self))))
+        bar = self.browser.verticalScrollBar()
+        bar.setValue(bar.maximum())
+
+    def text(self) -> str:
+        return "".join(s.text for s in self.steps)
+
+
+class ComparisonView(QWidget):
+    def __init__(self, controller: ChatController, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.controller = controller
+        self.active = False
+        self.result: ComparisonResult | None = None
+        self.speculative = ComparisonPane("Speculative")
+        self.plain = ComparisonPane("Plain decoding")
+        self.result_label = QLabel("Send a message, or replay the last prompt, to race "
+                                   "speculative decoding against plain decoding.")
+        self.result_label.setObjectName("comparisonResult")
+        self.result_label.setWordWrap(True)
+        self.replay_button = QPushButton("Replay last prompt")
+        self.replay_button.clicked.connect(controller.replay_comparison)
+
+        panes = QSplitter(Qt.Orientation.Horizontal)
+        panes.addWidget(self.speculative)
+        panes.addWidget(self.plain)
+        panes.setChildrenCollapsible(False)
+        top = QHBoxLayout()
+        top.setContentsMargins(12, 8, 12, 0)
+        top.addWidget(self.result_label, 1)
+        top.addWidget(self.replay_button)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(0, 0, 0, 0)
+        layout.addLayout(top)
+        layout.addWidget(panes, 1)
+
+        controller.comparison_started.connect(self._on_comparison_started)
+        controller.prompt_progressed.connect(self._on_prompt_progressed)
+        controller.step_received.connect(self._on_step_received)
+        controller.plain_step_received.connect(self._on_plain_step_received)
+        controller.comparison_finished.connect(self._on_comparison_finished)
+        controller.generating_changed.connect(self._on_generating_changed)
+
+    def _on_comparison_started(self, spec_label: str, plain_label: str) -> None:
+        self.active = True
+        self.result = None
+        self.speculative.reset(spec_label)
+        self.plain.reset(plain_label)
+        self.result_label.setText("Running speculative decoding, then plain decoding "
+                                  "with the same seed…")
+        self.replay_button.setEnabled(False)
+
+    def _on_prompt_progressed(self, done: int, total: int) -> None:
+        if self.active:
+            pane = self.plain if self.speculative.steps and self._spec_done else self.speculative
+            pane.gauge.show_prompt_progress(done, total)
+
+    @property
+    def _spec_done(self) -> bool:
+        return self.controller.generating_message_id is None
+
+    def _on_step_received(self, _message_id: int, step: Step, stats: Stats) -> None:
+        if self.active:
+            self.speculative.add_step(step, stats)
+
+    def _on_plain_step_received(self, step: Step, stats: Stats) -> None:
+        if self.active:
+            self.plain.add_step(step, stats)
+
+    def _on_comparison_finished(self, result: ComparisonResult) -> None:
+        self.result = result
+        self.speculative.render()
+        self.plain.render()
+        self.speculative.gauge.show_final(result.speculative)
+        self.plain.gauge.show_final(result.plain)
+        check = ("✓ identical output" if result.identical
+                 else "✗ outputs differ (expected only with the rejection rule)")
+        if result.speedup >= 1.0:
+            verdict = f"<b>{result.speedup:.2f}× faster</b> with speculation"
+        else:
+            verdict = f"<b>{result.speedup:.2f}×</b>: speculation was slower on this prompt"
+        self.result_label.setText(
+            f"{verdict} · {result.speculative.decode_tps:.1f} vs "
+            f"{result.plain.decode_tps:.1f} tok/s · {check}")
+
+    def _on_generating_changed(self, generating: bool) -> None:
+        if not generating:
+            self.active = False
+            self.replay_button.setEnabled(True)
+            if self.result is None and self.speculative.steps:
+                self.result_label.setText("Stopped before both runs finished.")

@@ -1,0 +1,332 @@
+"""The chat controller: the GUI thread's glue between the views, the store and the engine.
+
+It turns user intents (send, stop, regenerate, edit-and-resend, compare) into store writes
+and `GenerationRequest`s for the engine thread, saves every step as it arrives (so a crash
+loses at most the step in flight), and re-emits what the views need. It knows no widgets;
+views get it in their `__init__` and connect to its signals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from PySide6.QtCore import QObject, Signal
+
+from app.store import COMPLETE, FAILED, STOPPED, Message, Store
+from app.worker import ChatSettings, EngineHost, GenerationRequest, ModelInfo
+from engine.events import Finished, Stats, Step
+
+TITLE_LENGTH = 48
+
+
+@dataclass(frozen=True)
+class ComparisonResult:
+    """Speculative against plain decoding of one prompt with one seed."""
+
+    speculative: Stats
+    plain: Stats
+    speculative_text: str
+    plain_text: str
+
+    @property
+    def identical(self) -> bool:
+        return self.speculative_text == self.plain_text
+
+    @property
+    def speedup(self) -> float:
+        return self.speculative.decode_tps / self.plain.decode_tps if self.plain.decode_tps else 0.0
+
+
+@dataclass
+class _Reply:
+    request: GenerationRequest
+    message_id: int | None  # None for the comparison's plain run (not a chat message)
+    conversation_id: int
+    comparison: bool = False
+
+
+def title_from(text: str) -> str:
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "New chat")
+    return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
+
+
+class ChatController(QObject):
+    conversations_changed = Signal()
+    conversation_opened = Signal(object)  # list[Message] of the newly current conversation
+    message_added = Signal(object)  # Message (a user message or a new, empty reply)
+    prompt_progressed = Signal(int, int)  # done, total
+    step_received = Signal(int, object, object)  # message id, Step, Stats
+    reply_finished = Signal(object)  # the final Message as stored
+    reply_discarded = Signal(int)  # message id of a reply that failed before its first step
+    generating_changed = Signal(bool)
+    error_raised = Signal(str)
+    settings_changed = Signal(object)  # ChatSettings
+    model_loading = Signal(str)
+    model_loaded = Signal(object)  # ModelInfo
+    comparison_started = Signal(str, str)  # speculative label, plain label
+    plain_step_received = Signal(object, object)  # Step, Stats of the plain run
+    comparison_finished = Signal(object)  # ComparisonResult
+
+    def __init__(self, store: Store, host: EngineHost, settings: ChatSettings | None = None,
+                 parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.store = store
+        self.host = host
+        self.settings = settings or ChatSettings()
+        self.conversation_id: int | None = None
+        self.model: ModelInfo | None = None
+        self._reply: _Reply | None = None
+        self._queued_plain: _Reply | None = None
+        self._spec_finished: Finished | None = None
+        self._spec_message_id: int | None = None
+        w = host.worker
+        w.model_loading.connect(self._on_model_loading)
+        w.model_loaded.connect(self._on_model_loaded)
+        w.model_load_failed.connect(self._on_model_load_failed)
+        w.prompt_progressed.connect(self._on_prompt_progressed)
+        w.step_generated.connect(self._on_step_generated)
+        w.generation_finished.connect(self._on_generation_finished)
+        w.generation_failed.connect(self._on_generation_failed)
+
+    # -- state ---------------------------------------------------------------------------
+    @property
+    def generating(self) -> bool:
+        return self._reply is not None or self._queued_plain is not None
+
+    @property
+    def current_request(self) -> GenerationRequest | None:
+        """The request the engine is working on (its `cancel` event is what Stop sets)."""
+        return self._reply.request if self._reply else None
+
+    @property
+    def generating_message_id(self) -> int | None:
+        return self._reply.message_id if self._reply else None
+
+    def load_model(self, spec: str | None = None) -> None:
+        if spec is not None and spec != self.settings.target:
+            self.settings = replace(self.settings, target=spec)
+            self.settings_changed.emit(self.settings)
+        self.host.load(self.settings.target)
+
+    def set_settings(self, settings: ChatSettings) -> None:
+        old = self.settings
+        if settings == old:
+            return
+        self.settings = settings
+        self.settings_changed.emit(settings)
+        if settings.target != old.target:
+            self.host.load(settings.target)
+
+    # -- conversations -------------------------------------------------------------------
+    def new_conversation(self) -> int:
+        conv = self.store.create_conversation()
+        self.conversations_changed.emit()
+        self.open_conversation(conv.id)
+        return conv.id
+
+    def open_conversation(self, conversation_id: int | None) -> None:
+        self.conversation_id = conversation_id
+        msgs = self.store.messages(conversation_id) if conversation_id is not None else []
+        self.conversation_opened.emit(msgs)
+
+    def rename_conversation(self, conversation_id: int, title: str) -> None:
+        self.store.rename_conversation(conversation_id, title)
+        self.conversations_changed.emit()
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        if self._reply and self._reply.conversation_id == conversation_id:
+            self.stop()
+            return  # deleting under a running reply would orphan its writes; stop first
+        self.store.delete_conversation(conversation_id)
+        self.conversations_changed.emit()
+        if conversation_id == self.conversation_id:
+            remaining = self.store.conversations()
+            self.open_conversation(remaining[0].id if remaining else None)
+
+    def messages(self) -> list[Message]:
+        return self.store.messages(self.conversation_id) if self.conversation_id else []
+
+    # -- intents -------------------------------------------------------------------------
+    def send(self, text: str, *, compare: bool = False) -> bool:
+        """Add a user message and start the reply (and, with `compare`, the plain run)."""
+        if not text.strip() or self.generating:
+            return False
+        if self.conversation_id is None or self.store.conversation(self.conversation_id) is None:
+            conv = self.store.create_conversation(title_from(text))
+            self.conversation_id = conv.id
+            self.conversation_opened.emit([])
+        elif not self.store.messages(self.conversation_id, with_steps=False):
+            self.store.rename_conversation(self.conversation_id, title_from(text))
+        msg = self.store.add_message(self.conversation_id, "user", text)
+        self.message_added.emit(msg)
+        self.conversations_changed.emit()
+        self._start_reply(compare)
+        return True
+
+    def stop(self) -> None:
+        """Stop the reply in flight within one step (and drop a queued comparison run)."""
+        if self._queued_plain is not None:
+            self._queued_plain.request.cancel.set()
+            self._queued_plain = None
+        if self._reply is not None:
+            self.host.cancel(self._reply.request.request_id)
+
+    def close(self) -> None:
+        """The app is closing: stop, and record a reply in flight as stopped, not crashed."""
+        self.stop()
+        reply, self._reply = self._reply, None
+        if reply is not None and reply.message_id is not None:
+            self.store.finish_reply(reply.message_id, status=STOPPED, stats=None)
+
+    def regenerate(self, message_id: int) -> bool:
+        """Drop an assistant reply (and anything after it) and generate it again."""
+        msg = self.store.message(message_id, with_steps=False)
+        if msg is None or msg.role != "assistant" or self.generating:
+            return False
+        self.store.delete_messages_from(msg.conversation_id, msg.position)
+        self.open_conversation(msg.conversation_id)
+        self._start_reply(compare=False)
+        return True
+
+    def edit_and_resend(self, message_id: int, text: str) -> bool:
+        """Replace a user message (dropping what followed it) and reply to the new text."""
+        msg = self.store.message(message_id, with_steps=False)
+        if msg is None or msg.role != "user" or self.generating or not text.strip():
+            return False
+        self.store.delete_messages_from(msg.conversation_id, msg.position)
+        self.open_conversation(msg.conversation_id)
+        return self.send(text)
+
+    def replay_comparison(self) -> bool:
+        """Run the conversation's last prompt again both ways (replacing the last reply)."""
+        if self.generating or self.conversation_id is None:
+            return False
+        msgs = self.store.messages(self.conversation_id, with_steps=False)
+        users = [m for m in msgs if m.role == "user"]
+        if not users:
+            return False
+        self.store.delete_messages_from(self.conversation_id, users[-1].position + 1)
+        self.open_conversation(self.conversation_id)
+        self._start_reply(compare=True)
+        return True
+
+    # -- requests ------------------------------------------------------------------------
+    def _engine_messages(self) -> tuple[dict[str, str], ...]:
+        out: list[dict[str, str]] = []
+        if self.settings.system_prompt.strip():
+            out.append({"role": "system", "content": self.settings.system_prompt})
+        for m in self.store.messages(self.conversation_id, with_steps=False):
+            if m.content or m.role == "user":
+                out.append({"role": m.role, "content": m.content})
+        return tuple(out)
+
+    def _start_reply(self, compare: bool) -> None:
+        assert self.conversation_id is not None
+        settings = self.settings
+        messages = self._engine_messages()
+        reply_msg = self.store.begin_reply(self.conversation_id, model=settings.target,
+                                           settings=settings.as_dict())
+        self.message_added.emit(reply_msg)
+        request = GenerationRequest(self.host.new_request_id(), messages, settings)
+        self._reply = _Reply(request, reply_msg.id, self.conversation_id, comparison=compare)
+        self._spec_finished = None
+        if compare:
+            plain = GenerationRequest(self.host.new_request_id(), messages, settings,
+                                      plain=True)
+            self._queued_plain = _Reply(plain, None, self.conversation_id, comparison=True)
+            spec_label = f"Speculative ({settings.drafter}, K {settings.k or 'auto'})"
+            self.comparison_started.emit(spec_label, "Plain decoding")
+        self.generating_changed.emit(True)
+        self.host.generate(request)
+
+    def _is_current(self, request_id: int) -> bool:
+        return self._reply is not None and self._reply.request.request_id == request_id
+
+    def _on_prompt_progressed(self, request_id: int, done: int, total: int) -> None:
+        if self._is_current(request_id):
+            self.prompt_progressed.emit(done, total)
+
+    def _on_step_generated(self, request_id: int, step: Step, stats: Stats) -> None:
+        if not self._is_current(request_id):
+            return
+        assert self._reply is not None
+        if self._reply.message_id is None:
+            self.plain_step_received.emit(step, stats)
+            return
+        self.store.append_step(self._reply.message_id, step)
+        self.step_received.emit(self._reply.message_id, step, stats)
+
+    def _on_generation_finished(self, request_id: int, finished: Finished) -> None:
+        if not self._is_current(request_id):
+            return
+        reply = self._reply
+        assert reply is not None
+        self._reply = None
+        cancelled = finished.stats.finish_reason == "cancelled"
+        if reply.message_id is not None:
+            self.store.finish_reply(reply.message_id, status=STOPPED if cancelled else COMPLETE,
+                                    stats=finished.stats, text=finished.text)
+            self.reply_finished.emit(self.store.message(reply.message_id))
+            self.conversations_changed.emit()
+            if reply.comparison:
+                self._spec_finished = finished
+                self._spec_message_id = reply.message_id
+        else:
+            self._finish_comparison(finished)
+        self._next_or_idle()
+
+    def _on_generation_failed(self, request_id: int, message: str) -> None:
+        if not self._is_current(request_id):
+            return
+        reply = self._reply
+        assert reply is not None
+        self._reply = None
+        cancelled = reply.request.cancel.is_set()
+        if reply.message_id is not None:
+            msg = self.store.message(reply.message_id)
+            if msg is not None and not msg.steps:
+                self.store.delete_messages_from(msg.conversation_id, msg.position)
+                self.reply_discarded.emit(reply.message_id)
+            else:
+                self.store.finish_reply(reply.message_id, status=STOPPED if cancelled else FAILED,
+                                        error=message)
+                self.reply_finished.emit(self.store.message(reply.message_id))
+        if self._queued_plain is not None:
+            self._queued_plain = None  # no speculative result to compare against
+        if not cancelled:
+            self.error_raised.emit(message)
+        self._next_or_idle()
+
+    def _finish_comparison(self, plain: Finished) -> None:
+        spec = self._spec_finished
+        if spec is None or self._spec_message_id is None:
+            return
+        result = ComparisonResult(spec.stats, plain.stats, spec.text, plain.text)
+        self.store.set_comparison(self._spec_message_id, {
+            "plain_decode_tps": plain.stats.decode_tps,
+            "speculative_decode_tps": spec.stats.decode_tps,
+            "speedup": result.speedup,
+            "identical": result.identical,
+            "plain_finish_reason": plain.stats.finish_reason,
+        })
+        self.comparison_finished.emit(result)
+
+    def _next_or_idle(self) -> None:
+        if self._queued_plain is not None and self._spec_finished is not None:
+            self._reply, self._queued_plain = self._queued_plain, None
+            self.host.generate(self._reply.request)
+            return
+        self._queued_plain = None
+        self.generating_changed.emit(False)
+
+    # -- model state ---------------------------------------------------------------------
+    def _on_model_loading(self, spec: str) -> None:
+        self.model_loading.emit(spec)
+
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        if info.spec == self.settings.target:
+            self.model = info
+        self.model_loaded.emit(info)
+
+    def _on_model_load_failed(self, spec: str, message: str) -> None:
+        self.error_raised.emit(f"Could not load model {spec!r}: {message}")

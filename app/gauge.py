@@ -1,0 +1,183 @@
+"""The live speed gauge: tokens/s, tokens per target pass, acceptance, and a sparkline.
+
+Speculative decoding commits tokens in bursts (several accepted tokens per target pass), so
+an instantaneous per-token rate would jump wildly. The headline number is the engine's
+wall-time rate over the whole reply (`Stats.decode_tps`); the sparkline plots a rate over a
+trailing window of at least `window_s` seconds of wall time, measured between step
+boundaries, so a burst is averaged with the wait that preceded it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from PySide6.QtCore import QPointF, QRectF, QSize, Qt
+from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette, QPen
+from PySide6.QtWidgets import QGridLayout, QLabel, QProgressBar, QSizePolicy, QVBoxLayout, QWidget
+
+from app.token_render import footer_text
+from engine.events import Stats
+
+
+@dataclass
+class RateTracker:
+    """Windowed tokens/s from (decode time, total tokens) samples taken at step ends."""
+
+    window_s: float = 1.0
+    _times: list[float] = field(default_factory=list)
+    _totals: list[int] = field(default_factory=list)
+    history: list[float] = field(default_factory=list)  # one windowed rate per step
+
+    def reset(self) -> None:
+        self._times.clear()
+        self._totals.clear()
+        self.history.clear()
+
+    def add(self, t: float, total_tokens: int) -> float:
+        """Record a step ending at decode time `t`; returns (and keeps) the windowed rate."""
+        self._times.append(t)
+        self._totals.append(total_tokens)
+        rate = self.rate()
+        self.history.append(rate)
+        return rate
+
+    def rate(self) -> float:
+        """Tokens/s between the newest sample and the newest one at least a window older.
+
+        Until a full window has passed, the span starts at time 0 (the start of decoding), so
+        the rate is the plain average so far: never the size of one burst over its own time.
+        """
+        if not self._times:
+            return 0.0
+        t_now, n_now = self._times[-1], self._totals[-1]
+        t_then, n_then = 0.0, 0
+        for t, n in zip(reversed(self._times[:-1]), reversed(self._totals[:-1]), strict=True):
+            if t_now - t >= self.window_s:
+                t_then, n_then = t, n
+                break
+        span = t_now - t_then
+        return (n_now - n_then) / span if span > 0 else 0.0
+
+
+class Sparkline(QWidget):
+    """A small line chart of the recent tokens/s values, scaled to its own maximum."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.values: list[float] = []
+        self.setMinimumHeight(36)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+
+    def sizeHint(self) -> QSize:
+        return QSize(160, 40)
+
+    def set_values(self, values: list[float]) -> None:
+        self.values = list(values)
+        self.update()
+
+    def paintEvent(self, event) -> None:  # noqa: N802 - Qt override
+        painter = QPainter(self)
+        painter.setRenderHint(QPainter.RenderHint.Antialiasing)
+        rect = QRectF(self.rect()).adjusted(2, 4, -2, -4)
+        base = self.palette().color(QPalette.ColorRole.Mid)
+        painter.setPen(QPen(base, 1))
+        painter.drawLine(rect.bottomLeft(), rect.bottomRight())
+        vals = self.values
+        if len(vals) < 2:
+            return
+        top = max(vals) or 1.0
+        step = rect.width() / (len(vals) - 1)
+        path = QPainterPath()
+        for i, v in enumerate(vals):
+            point = QPointF(rect.left() + i * step, rect.bottom() - rect.height() * v / top)
+            path.lineTo(point) if i else path.moveTo(point)
+        accent = self.palette().color(QPalette.ColorRole.Highlight)
+        fill = QPainterPath(path)
+        fill.lineTo(rect.right(), rect.bottom())
+        fill.lineTo(rect.left(), rect.bottom())
+        fill.closeSubpath()
+        shade = QColor(accent)
+        shade.setAlpha(50)
+        painter.fillPath(fill, shade)
+        painter.setPen(QPen(accent, 1.6))
+        painter.drawPath(path)
+
+
+class GaugeWidget(QWidget):
+    """Headline tokens/s with tau, acceptance, token count and a sparkline.
+
+    A passive view: whoever owns the reply feeds it `reset`, `show_prompt_progress`,
+    `show_stats` and `show_final` (the side panel and each comparison pane have one).
+    """
+
+    def __init__(self, title: str = "Speed", parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.tracker = RateTracker()
+        self.title = QLabel(title)
+        self.title.setObjectName("gaugeTitle")
+        self.rate_label = QLabel("— tok/s")
+        self.rate_label.setObjectName("gaugeRate")
+        self.tau_label = QLabel("—")
+        self.accept_label = QLabel("—")
+        self.tokens_label = QLabel("0")
+        self.sparkline = Sparkline()
+        self.progress = QProgressBar()
+        self.progress.setTextVisible(True)
+        self.progress.setFormat("prompt %v / %m")
+        self.progress.hide()
+
+        grid = QGridLayout()
+        grid.setContentsMargins(0, 0, 0, 0)
+        for row, (name, label) in enumerate(
+            (("tokens/pass", self.tau_label), ("accepted", self.accept_label),
+             ("tokens", self.tokens_label))
+        ):
+            caption = QLabel(name)
+            caption.setObjectName("gaugeCaption")
+            grid.addWidget(caption, row, 0)
+            grid.addWidget(label, row, 1, Qt.AlignmentFlag.AlignRight)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 8, 8, 8)
+        layout.addWidget(self.title)
+        layout.addWidget(self.rate_label)
+        layout.addWidget(self.sparkline)
+        layout.addLayout(grid)
+        layout.addWidget(self.progress)
+
+    def reset(self) -> None:
+        self.tracker.reset()
+        self.sparkline.set_values([])
+        self.rate_label.setText("— tok/s")
+        self.tau_label.setText("—")
+        self.accept_label.setText("—")
+        self.tokens_label.setText("0")
+        self.progress.hide()
+
+    def show_prompt_progress(self, done: int, total: int) -> None:
+        self.progress.setRange(0, max(total, 1))
+        self.progress.setValue(done)
+        self.progress.setVisible(done < total)
+
+    def show_stats(self, stats: Stats) -> None:
+        """Update from the totals after a step (never from one step alone)."""
+        self.progress.hide()
+        self.tracker.add(stats.decode_s, stats.generated_tokens)
+        self.sparkline.set_values(self.tracker.history)
+        self.rate_label.setText(f"{stats.decode_tps:.1f} tok/s")
+        self.tau_label.setText(f"{stats.tau:.2f}")
+        self.accept_label.setText(f"{stats.acceptance:.0%}" if stats.n_drafted else "—")
+        self.tokens_label.setText(str(stats.generated_tokens))
+
+    def show_final(self, stats: Stats | None) -> None:
+        """The reply's final totals (the message footer carries the same line)."""
+        self.progress.hide()
+        if stats is not None:
+            self.rate_label.setText(f"{stats.decode_tps:.1f} tok/s")
+            self.tau_label.setText(f"{stats.tau:.2f}")
+            self.accept_label.setText(f"{stats.acceptance:.0%}" if stats.n_drafted else "—")
+            self.tokens_label.setText(str(stats.generated_tokens))
+            self.setToolTip(footer_text(stats))
+
+    @property
+    def rate_text(self) -> str:
+        return self.rate_label.text()

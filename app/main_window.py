@@ -1,0 +1,388 @@
+"""The main window: conversations | chat (or comparison) + composer | gauge + settings.
+
+It assembles the views around one `ChatController`, owns the menu bar (native on macOS:
+⌘N new chat, ⌘W close, ⌘, settings, ⌘. stop), shows engine errors in a dismissable banner,
+and keeps window geometry, splitter sizes, view toggles and chat settings in QSettings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QSettings, Qt
+from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
+from PySide6.QtWidgets import (
+    QFileDialog,
+    QFrame,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QProgressBar,
+    QPushButton,
+    QScrollArea,
+    QSplitter,
+    QStackedWidget,
+    QToolButton,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.chat_view import ChatView
+from app.comparison import ComparisonView
+from app.composer import Composer
+from app.controller import ChatController
+from app.gauge import GaugeWidget
+from app.settings_panel import SettingsPanel
+from app.sidebar import Sidebar
+from app.store import Message
+from app.token_render import conversation_markdown
+from app.worker import ChatSettings, ModelInfo
+from engine.events import Stats, Step
+
+
+class ErrorBanner(QFrame):
+    """A readable, dismissable message above the chat (engine errors never crash the app)."""
+
+    def __init__(self, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setObjectName("errorBanner")
+        self.label = QLabel()
+        self.label.setWordWrap(True)
+        self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        close = QToolButton()
+        close.setText("✕")
+        close.setAutoRaise(True)
+        close.setToolTip("Dismiss")
+        close.clicked.connect(self.hide)
+        layout = QHBoxLayout(self)
+        layout.setContentsMargins(12, 6, 6, 6)
+        layout.addWidget(self.label, 1)
+        layout.addWidget(close, 0, Qt.AlignmentFlag.AlignTop)
+        self.hide()
+
+    def show_message(self, text: str) -> None:
+        self.label.setText(text)
+        self.show()
+
+    @property
+    def text(self) -> str:
+        return self.label.text() if self.isVisible() else ""
+
+
+def settings_store() -> QSettings:
+    return QSettings("Understudy", "Understudy")
+
+
+def load_chat_settings(qs: QSettings, target: str | None = None) -> ChatSettings:
+    """The chat settings last used (JSON in QSettings), with `target` taking precedence."""
+    raw = qs.value("chat/settings", "")
+    try:
+        data = json.loads(raw) if raw else {}
+    except (TypeError, ValueError):
+        data = {}
+    settings = ChatSettings.from_dict(data if isinstance(data, dict) else {})
+    if target:
+        settings = ChatSettings.from_dict({**settings.as_dict(), "target": target})
+    return settings
+
+
+class MainWindow(QMainWindow):
+    def __init__(self, controller: ChatController, qsettings: QSettings | None = None) -> None:
+        super().__init__()
+        self.controller = controller
+        self.qsettings = qsettings if qsettings is not None else settings_store()
+        self.setWindowTitle("Understudy")
+        self.resize(1280, 800)
+
+        self.sidebar = Sidebar(controller)
+        self.chat_view = ChatView(controller)
+        self.comparison_view = ComparisonView(controller)
+        self.composer = Composer(controller)
+        self.gauge = GaugeWidget("Speed")
+        self.settings_panel = SettingsPanel(controller)
+        self.banner = ErrorBanner()
+
+        self.title_label = QLabel("New chat")
+        self.title_label.setObjectName("chatTitle")
+        self.compare_button = QPushButton("Speculative vs plain")
+        self.compare_button.setCheckable(True)
+        self.compare_button.setToolTip("Run each prompt with and without speculation, side by side")
+        header = QHBoxLayout()
+        header.setContentsMargins(12, 8, 12, 0)
+        header.addWidget(self.title_label, 1)
+        header.addWidget(self.compare_button)
+
+        self.stack = QStackedWidget()
+        self.stack.addWidget(self.chat_view)
+        self.stack.addWidget(self.comparison_view)
+        center = QWidget()
+        center.setObjectName("centerPane")
+        center_layout = QVBoxLayout(center)
+        center_layout.setContentsMargins(0, 0, 0, 0)
+        center_layout.setSpacing(0)
+        center_layout.addLayout(header)
+        center_layout.addWidget(self.banner)
+        center_layout.addWidget(self.stack, 1)
+        center_layout.addWidget(self.composer)
+
+        side = QWidget()
+        side_layout = QVBoxLayout(side)
+        side_layout.setContentsMargins(0, 0, 0, 0)
+        side_layout.addWidget(self.gauge)
+        line = QFrame()
+        line.setFrameShape(QFrame.Shape.HLine)
+        side_layout.addWidget(line)
+        side_layout.addWidget(self.settings_panel, 1)
+        self.side_panel = QScrollArea()
+        self.side_panel.setWidgetResizable(True)
+        self.side_panel.setFrameShape(QFrame.Shape.NoFrame)
+        self.side_panel.setWidget(side)
+        self.side_panel.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.side_panel.setMinimumWidth(side.minimumSizeHint().width() + 16)
+
+        self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        self.splitter.addWidget(self.sidebar)
+        self.splitter.addWidget(center)
+        self.splitter.addWidget(self.side_panel)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([220, 740, 320])
+        self.setCentralWidget(self.splitter)
+
+        self.model_label = QLabel("No model loaded")
+        self.load_progress = QProgressBar()
+        self.load_progress.setRange(0, 0)  # busy: load_model reports no fraction
+        self.load_progress.setMaximumWidth(160)
+        self.load_progress.hide()
+        self.statusBar().addWidget(self.model_label, 1)
+        self.statusBar().addPermanentWidget(self.load_progress)
+
+        self._build_menus()
+        self.compare_button.toggled.connect(self.set_comparison_mode)
+        self.composer.message_submitted.connect(self._on_message_submitted)
+        self.composer.edit_submitted.connect(self._on_edit_submitted)
+        self.chat_view.edit_requested.connect(self.composer.begin_edit)
+        self.sidebar.export_requested.connect(self.export_conversation)
+        controller.error_raised.connect(self.banner.show_message)
+        controller.model_loading.connect(self._on_model_loading)
+        controller.model_loaded.connect(self._on_model_loaded)
+        controller.message_added.connect(self._on_message_added)
+        controller.prompt_progressed.connect(self.gauge.show_prompt_progress)
+        controller.step_received.connect(self._on_step_received)
+        controller.reply_finished.connect(self._on_reply_finished)
+        controller.conversation_opened.connect(self._on_conversation_opened)
+        controller.conversations_changed.connect(self._update_title)
+        controller.generating_changed.connect(self._on_generating_changed)
+        self._restore_state()
+
+    # -- menus ---------------------------------------------------------------------------
+    def _action(self, text: str, slot, shortcut=None, checkable: bool = False) -> QAction:
+        action = QAction(text, self)
+        if shortcut is not None:
+            action.setShortcut(QKeySequence(shortcut))
+        action.setCheckable(checkable)
+        (action.toggled if checkable else action.triggered).connect(slot)
+        return action
+
+    def _build_menus(self) -> None:
+        bar = self.menuBar()  # the native menu bar on macOS (Ctrl maps to ⌘)
+        file_menu = bar.addMenu("&File")
+        self.new_action = self._action("New Chat", lambda: self.controller.new_conversation(),
+                                       QKeySequence.StandardKey.New)
+        file_menu.addAction(self.new_action)
+        file_menu.addAction(self._action("Export Chat as Markdown…",
+                                         lambda: self.export_conversation(), "Ctrl+Shift+E"))
+        file_menu.addSeparator()
+        file_menu.addAction(self._action("Close Window", self.close, "Ctrl+W"))
+        quit_action = self._action("Quit Understudy", self.close, QKeySequence.StandardKey.Quit)
+        quit_action.setMenuRole(QAction.MenuRole.QuitRole)
+        file_menu.addAction(quit_action)
+
+        edit_menu = bar.addMenu("&Edit")
+        self.settings_action = self._action("Settings…", self.show_settings, "Ctrl+,")
+        self.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
+        edit_menu.addAction(self.settings_action)
+
+        view_menu = bar.addMenu("&View")
+        self.speculation_action = self._action("Show Speculation", self.chat_view.set_show_speculation,
+                                               "Ctrl+Shift+S", checkable=True)
+        self.speculation_action.setChecked(True)
+        self.chat_view.speculation_box.toggled.connect(self.speculation_action.setChecked)
+        self.rejected_action = self._action("Show Rejected Guesses", self.chat_view.set_show_rejected,
+                                            checkable=True)
+        self.rejected_action.setChecked(True)
+        self.chat_view.rejected_box.toggled.connect(self.rejected_action.setChecked)
+        self.compare_action = self._action("Speculative vs Plain", self.compare_button.setChecked,
+                                           "Ctrl+Shift+C", checkable=True)
+        self.compare_button.toggled.connect(self.compare_action.setChecked)
+        self.sidebar_action = self._action("Show Chats", self.sidebar.setVisible, "Ctrl+Shift+L",
+                                           checkable=True)
+        self.sidebar_action.setChecked(True)
+        self.panel_action = self._action("Show Side Panel", self.side_panel.setVisible,
+                                         "Ctrl+Shift+P", checkable=True)
+        self.panel_action.setChecked(True)
+        for action in (self.speculation_action, self.rejected_action, self.compare_action,
+                       None, self.sidebar_action, self.panel_action):
+            view_menu.addSeparator() if action is None else view_menu.addAction(action)
+
+        chat_menu = bar.addMenu("&Chat")
+        self.stop_action = self._action("Stop", self.controller.stop, "Ctrl+.")
+        self.stop_action.setEnabled(False)
+        self.regenerate_action = self._action("Regenerate Last Reply", self.regenerate_last, "Ctrl+R")
+        chat_menu.addAction(self.stop_action)
+        chat_menu.addAction(self.regenerate_action)
+        chat_menu.addSeparator()
+        chat_menu.addAction(self._action("Rename Chat…", self._rename_current))
+        chat_menu.addAction(self._action("Delete Chat…", self._delete_current))
+
+    # -- intents -------------------------------------------------------------------------
+    @property
+    def comparison_mode(self) -> bool:
+        return self.compare_button.isChecked()
+
+    def set_comparison_mode(self, on: bool) -> None:
+        if self.compare_button.isChecked() != on:
+            self.compare_button.setChecked(on)
+        self.stack.setCurrentWidget(self.comparison_view if on else self.chat_view)
+
+    def show_settings(self) -> None:
+        self.panel_action.setChecked(True)
+        self.side_panel.ensureWidgetVisible(self.settings_panel)
+        self.settings_panel.temperature.setFocus()
+
+    def regenerate_last(self) -> None:
+        replies = [m for m in self.controller.messages() if m.role == "assistant"]
+        if replies:
+            self.controller.regenerate(replies[-1].id)
+
+    def export_conversation(self, conversation_id: int | None = None,
+                            path: Path | str | None = None) -> Path | None:
+        """Write a conversation as Markdown to `path` (asks for one when not given)."""
+        conversation_id = conversation_id or self.controller.conversation_id
+        conv = self.controller.store.conversation(conversation_id) if conversation_id else None
+        if conv is None:
+            return None
+        if path is None:
+            suggested = "".join(c if c.isalnum() or c in " -_" else "_" for c in conv.title)
+            chosen, _ = QFileDialog.getSaveFileName(self, "Export chat", f"{suggested}.md",
+                                                    "Markdown (*.md)")
+            if not chosen:
+                return None
+            path = chosen
+        out = Path(path)
+        out.write_text(conversation_markdown(conv.title, self.controller.store.messages(conv.id)),
+                       encoding="utf-8")
+        self.statusBar().showMessage(f"Exported to {out}", 5000)
+        return out
+
+    def _rename_current(self) -> None:
+        if self.controller.conversation_id is not None:
+            self.sidebar.rename(self.controller.conversation_id)
+
+    def _delete_current(self) -> None:
+        if self.controller.conversation_id is not None:
+            self.sidebar.confirm_delete(self.controller.conversation_id)
+
+    def _on_message_submitted(self, text: str) -> None:
+        self.banner.hide()
+        self.controller.send(text, compare=self.comparison_mode)
+
+    def _on_edit_submitted(self, message_id: int, text: str) -> None:
+        self.banner.hide()
+        self.controller.edit_and_resend(message_id, text)
+
+    # -- controller events ---------------------------------------------------------------
+    def _on_model_loading(self, spec: str) -> None:
+        self.model_label.setText(f"Loading {spec}…")
+        self.load_progress.show()
+
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        self.load_progress.hide()
+        model = self.controller.model
+        if model is not None:
+            self.model_label.setText(f"{model.name} · {model.model_type} · {model.backend}")
+        if info.template_warning:
+            self.banner.show_message(info.template_warning)
+
+    def _on_message_added(self, message: Message) -> None:
+        if message.role == "assistant":
+            self.gauge.reset()
+
+    def _on_step_received(self, _message_id: int, _step: Step, stats: Stats) -> None:
+        self.gauge.show_stats(stats)
+
+    def _on_reply_finished(self, message: Message) -> None:
+        from app.store import stats_from_dict
+
+        self.gauge.show_final(stats_from_dict(message.stats))
+
+    def _on_generating_changed(self, generating: bool) -> None:
+        self.stop_action.setEnabled(generating)
+        self.regenerate_action.setEnabled(not generating)
+        if not generating:
+            self.load_progress.hide()
+
+    def _on_conversation_opened(self, _messages: object) -> None:
+        self._update_title()
+        self.composer.cancel_edit()
+
+    def _update_title(self) -> None:
+        cid = self.controller.conversation_id
+        conv = self.controller.store.conversation(cid) if cid is not None else None
+        title = conv.title if conv else "New chat"
+        self.title_label.setText(title)
+        self.setWindowTitle(f"{title} — Understudy")
+
+    # -- persistence ---------------------------------------------------------------------
+    def _restore_state(self) -> None:
+        qs = self.qsettings
+        geometry = qs.value("window/geometry")
+        if isinstance(geometry, QByteArray | bytes):
+            self.restoreGeometry(QByteArray(geometry))
+        splitter = qs.value("window/splitter")
+        if isinstance(splitter, QByteArray | bytes):
+            self.splitter.restoreState(QByteArray(splitter))
+        self.chat_view.set_show_speculation(_as_bool(qs.value("view/speculation", True)))
+        self.chat_view.set_show_rejected(_as_bool(qs.value("view/rejected", True)))
+        self.set_comparison_mode(_as_bool(qs.value("view/comparison", False)))
+
+    def save_state(self) -> None:
+        qs = self.qsettings
+        qs.setValue("window/geometry", self.saveGeometry())
+        qs.setValue("window/splitter", self.splitter.saveState())
+        qs.setValue("view/speculation", self.chat_view.show_speculation)
+        qs.setValue("view/rejected", self.chat_view.show_rejected)
+        qs.setValue("view/comparison", self.comparison_mode)
+        qs.setValue("chat/settings", json.dumps(self.controller.settings.as_dict()))
+        if self.controller.conversation_id is not None:
+            qs.setValue("chat/last_conversation", self.controller.conversation_id)
+        qs.sync()
+
+    def open_initial_conversation(self) -> None:
+        """Reopen the conversation the user last had open (or the most recent one)."""
+        store = self.controller.store
+        last = self.qsettings.value("chat/last_conversation")
+        try:
+            wanted = int(last) if last is not None else None
+        except (TypeError, ValueError):
+            wanted = None
+        if wanted is None or store.conversation(wanted) is None:
+            recent = store.conversations()
+            wanted = recent[0].id if recent else None
+        self.controller.open_conversation(wanted)
+        n = store.interrupted_on_open
+        if n:
+            what = "A reply was" if n == 1 else f"{n} replies were"
+            self.banner.show_message(f"{what} cut off when Understudy last closed; what was "
+                                     "generated is kept and marked as interrupted.")
+
+    def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
+        self.save_state()
+        self.controller.close()
+        super().closeEvent(event)
+
+
+def _as_bool(value: object) -> bool:
+    if isinstance(value, str):
+        return value.lower() in ("1", "true", "yes")
+    return bool(value)

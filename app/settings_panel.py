@@ -1,0 +1,256 @@
+"""The settings side panel: models, drafter, K, acceptance rule, sampling, system prompt.
+
+Every edit becomes a new `ChatSettings` handed to the controller; the next reply uses it and
+stores it with the message. Draft models the target cannot use stay listed but disabled,
+with the reason on hover.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt
+from PySide6.QtGui import QStandardItem, QStandardItemModel
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QHBoxLayout,
+    QLabel,
+    QPlainTextEdit,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.controller import ChatController
+from app.model_choices import available_models, draft_incompatibility
+from app.worker import ACCEPT_RULES, DRAFTER_MODES, ChatSettings, ModelInfo
+
+DRAFTER_HELP = {
+    "off": "Plain decoding: one target pass per token",
+    "model": "A small draft model proposes tokens (pick it below)",
+    "ngram": "Prompt lookup: copies continuations of text already in the conversation",
+    "layerskip": "The target's own first layers draft for the full model",
+    "auto": "Pick the best drafter from measured costs and acceptance",
+}
+ACCEPT_HELP = {
+    "coupled": "Same noise for draft and target: output identical to plain decoding",
+    "rejection": "Leviathan/Chen rejection sampling: same distribution, accepts more often",
+}
+NO_DRAFT = "(no draft model)"
+
+
+class SettingsPanel(QWidget):
+    def __init__(self, controller: ChatController, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.controller = controller
+        self._target_path: Path | None = None
+        self._updating = False
+
+        self.target_combo = QComboBox()
+        self.draft_combo = QComboBox()
+        self.draft_model = QStandardItemModel(self)
+        self.draft_combo.setModel(self.draft_model)
+        self.drafter_combo = QComboBox()
+        for mode in DRAFTER_MODES:
+            self.drafter_combo.addItem(mode, mode)
+            self.drafter_combo.setItemData(self.drafter_combo.count() - 1, DRAFTER_HELP[mode],
+                                           Qt.ItemDataRole.ToolTipRole)
+        self.k_auto = QCheckBox("auto")
+        self.k_spin = QSpinBox()
+        self.k_spin.setRange(1, 32)
+        self.k_spin.setValue(4)
+        self.accept_combo = QComboBox()
+        for rule in ACCEPT_RULES:
+            self.accept_combo.addItem(rule, rule)
+            self.accept_combo.setItemData(self.accept_combo.count() - 1, ACCEPT_HELP[rule],
+                                          Qt.ItemDataRole.ToolTipRole)
+        self.temperature = _double(0.0, 2.0, 0.1, 2)
+        self.top_p = _double(0.0, 1.0, 0.05, 2)
+        self.top_k = QSpinBox()
+        self.top_k.setRange(0, 100000)
+        self.top_k.setSpecialValueText("off")
+        self.min_p = _double(0.0, 1.0, 0.01, 2)
+        self.max_tokens = QSpinBox()
+        self.max_tokens.setRange(1, 131072)
+        self.seed = QSpinBox()
+        self.seed.setRange(0, 2**31 - 1)
+        self.system_prompt = QPlainTextEdit()
+        self.system_prompt.setPlaceholderText("Optional instructions for every reply")
+        self.system_prompt.setFixedHeight(80)
+        self.model_status = QLabel("")
+        self.model_status.setObjectName("modelStatus")
+        self.model_status.setWordWrap(True)
+
+        for combo in (self.target_combo, self.draft_combo, self.drafter_combo, self.accept_combo):
+            # Long model names must not widen the panel; the full name is in the tooltip.
+            combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+            combo.setMinimumContentsLength(8)
+        k_row = QHBoxLayout()
+        k_row.setContentsMargins(0, 0, 0, 0)
+        k_row.addWidget(self.k_auto)
+        k_row.addWidget(self.k_spin, 1)
+        form = QFormLayout()
+        form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
+        form.addRow("Target", self.target_combo)
+        form.addRow("", self.model_status)
+        form.addRow("Drafter", self.drafter_combo)
+        form.addRow("Draft model", self.draft_combo)
+        form.addRow("K", k_row)
+        form.addRow("Acceptance", self.accept_combo)
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Top-k", self.top_k)
+        form.addRow("Min-p", self.min_p)
+        form.addRow("Max tokens", self.max_tokens)
+        form.addRow("Seed", self.seed)
+        layout = QVBoxLayout(self)
+        layout.setContentsMargins(8, 8, 8, 8)
+        title = QLabel("Settings")
+        title.setObjectName("panelTitle")
+        layout.addWidget(title)
+        layout.addLayout(form)
+        layout.addWidget(QLabel("System prompt"))
+        layout.addWidget(self.system_prompt)
+        layout.addStretch(1)
+
+        self.set_settings(controller.settings)
+        for signal in (self.target_combo.currentIndexChanged, self.draft_combo.currentIndexChanged,
+                       self.drafter_combo.currentIndexChanged, self.accept_combo.currentIndexChanged,
+                       self.k_auto.toggled, self.k_spin.valueChanged, self.temperature.valueChanged,
+                       self.top_p.valueChanged, self.top_k.valueChanged, self.min_p.valueChanged,
+                       self.max_tokens.valueChanged, self.seed.valueChanged,
+                       self.system_prompt.textChanged):
+            signal.connect(self._on_edited)
+        controller.settings_changed.connect(self._on_settings_changed)
+        controller.model_loading.connect(self._on_model_loading)
+        controller.model_loaded.connect(self._on_model_loaded)
+
+    # -- reading and writing ---------------------------------------------------------------
+    def settings(self) -> ChatSettings:
+        draft = self.draft_combo.currentData()
+        return ChatSettings(
+            target=str(self.target_combo.currentData() or self.controller.settings.target),
+            draft=str(draft) if draft else None,
+            drafter=str(self.drafter_combo.currentData()),
+            k=None if self.k_auto.isChecked() else self.k_spin.value(),
+            accept=str(self.accept_combo.currentData()),
+            temperature=self.temperature.value(),
+            top_p=self.top_p.value(),
+            top_k=self.top_k.value(),
+            min_p=self.min_p.value(),
+            max_tokens=self.max_tokens.value(),
+            seed=self.seed.value(),
+            system_prompt=self.system_prompt.toPlainText(),
+        )
+
+    def set_settings(self, s: ChatSettings) -> None:
+        self._updating = True
+        try:
+            self._fill_targets(s.target)
+            self._fill_drafts(s.draft)
+            _select(self.drafter_combo, s.drafter)
+            _select(self.accept_combo, s.accept)
+            self.k_auto.setChecked(s.k is None)
+            self.k_spin.setEnabled(s.k is not None)
+            if s.k is not None:
+                self.k_spin.setValue(s.k)
+            self.temperature.setValue(s.temperature)
+            self.top_p.setValue(s.top_p)
+            self.top_k.setValue(s.top_k)
+            self.min_p.setValue(s.min_p)
+            self.max_tokens.setValue(s.max_tokens)
+            self.seed.setValue(s.seed)
+            if self.system_prompt.toPlainText() != s.system_prompt:
+                self.system_prompt.setPlainText(s.system_prompt)
+            self._sync_enabled()
+        finally:
+            self._updating = False
+
+    def _fill_targets(self, current: str) -> None:
+        self.target_combo.clear()
+        for choice in available_models(extra=(current,)):
+            self.target_combo.addItem(choice.label, choice.spec)
+            self.target_combo.setItemData(self.target_combo.count() - 1,
+                                          str(choice.path or choice.spec),
+                                          Qt.ItemDataRole.ToolTipRole)
+        _select(self.target_combo, current)
+
+    def _fill_drafts(self, current: str | None) -> None:
+        """List every model; those that cannot pair with the target are disabled, with why."""
+        self.draft_model.clear()
+        none_item = QStandardItem(NO_DRAFT)
+        none_item.setData(None, Qt.ItemDataRole.UserRole)
+        self.draft_model.appendRow(none_item)
+        extra = tuple(x for x in (current, self.controller.settings.target) if x)
+        for choice in available_models(extra=extra):
+            item = QStandardItem(choice.label)
+            item.setData(choice.spec, Qt.ItemDataRole.UserRole)
+            reason = draft_incompatibility(self._target_path, choice)
+            if reason:
+                item.setEnabled(False)
+                item.setToolTip(f"Cannot draft for this target: {reason}")
+            else:
+                item.setToolTip(str(choice.path))
+            self.draft_model.appendRow(item)
+        _select(self.draft_combo, current)
+
+    def draft_reason(self, spec: str) -> str | None:
+        """The hover text of a draft entry, or None when it is selectable."""
+        for row in range(self.draft_model.rowCount()):
+            item = self.draft_model.item(row)
+            if item.data(Qt.ItemDataRole.UserRole) == spec:
+                return None if item.isEnabled() else item.toolTip()
+        return "not listed"
+
+    def _sync_enabled(self) -> None:
+        mode = self.drafter_combo.currentData()
+        self.draft_combo.setEnabled(mode in ("model", "auto"))
+        self.k_spin.setEnabled(not self.k_auto.isChecked() and mode != "off")
+        self.k_auto.setEnabled(mode != "off")
+        self.accept_combo.setEnabled(mode != "off")
+
+    # -- events --------------------------------------------------------------------------
+    def _on_edited(self, *_: object) -> None:
+        if self._updating:
+            return
+        self._sync_enabled()
+        self.controller.set_settings(self.settings())
+
+    def _on_settings_changed(self, settings: ChatSettings) -> None:
+        if settings != self.settings():  # changed elsewhere (menu, test, restore)
+            self.set_settings(settings)
+
+    def _on_model_loading(self, spec: str) -> None:
+        self.model_status.setText(f"Loading {spec}…")
+
+    def _on_model_loaded(self, info: ModelInfo) -> None:
+        if info.spec != self.controller.settings.target:
+            self.model_status.setText(f"Draft {info.name} ready")
+            return
+        self._target_path = Path(info.path) if info.path else None
+        note = f"{info.name} · {info.model_type} · {info.backend}"
+        if info.template_warning:
+            note += f"\n{info.template_warning}"
+        self.model_status.setText(note)
+        self._updating = True
+        try:
+            self._fill_targets(info.spec)
+            self._fill_drafts(self.controller.settings.draft)
+        finally:
+            self._updating = False
+
+
+def _double(lo: float, hi: float, step: float, decimals: int) -> QDoubleSpinBox:
+    box = QDoubleSpinBox()
+    box.setRange(lo, hi)
+    box.setSingleStep(step)
+    box.setDecimals(decimals)
+    return box
+
+
+def _select(combo: QComboBox, data: object) -> None:
+    index = combo.findData(data)
+    combo.setCurrentIndex(index if index >= 0 else 0)

@@ -1,0 +1,68 @@
+"""Light and dark: follow the system palette and say which one is showing.
+
+Qt already gives each platform its palette (and on macOS switches it live); we only add a
+small style sheet (`resources/app.qss`) written with `palette(...)` references so it
+follows along, and a test of whether the current palette is dark, which the token colours
+and code highlighting need.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from PySide6.QtCore import QEvent, QObject
+from PySide6.QtGui import QGuiApplication, QPalette
+from PySide6.QtWidgets import QApplication, QWidget
+
+
+def is_dark(palette: QPalette | None = None) -> bool:
+    """Whether text is light on a dark window in `palette` (default: the app's)."""
+    pal = palette if palette is not None else QGuiApplication.palette()
+    window = pal.color(QPalette.ColorRole.Window)
+    text = pal.color(QPalette.ColorRole.WindowText)
+    return window.lightnessF() < text.lightnessF()
+
+
+def widget_is_dark(widget: QWidget) -> bool:
+    return is_dark(widget.palette())
+
+
+def style_sheet() -> str:
+    """The app's style sheet (palette-relative, so one sheet serves light and dark)."""
+    try:
+        return resources.files("resources").joinpath("app.qss").read_text(encoding="utf-8")
+    except (FileNotFoundError, ModuleNotFoundError):
+        return ""
+
+
+class _PaletteWatcher(QObject):
+    """Re-applies the style sheet when the system palette changes (light <-> dark).
+
+    Qt resolves `palette(...)` in a style sheet when the sheet is set, so without this the
+    message cards would keep their light backgrounds after the system turns dark.
+    """
+
+    def eventFilter(self, obj: QObject, event: QEvent) -> bool:  # noqa: N802 - Qt override
+        if event.type() == QEvent.Type.ApplicationPaletteChange and isinstance(obj, QApplication):
+            obj.setStyleSheet(obj.styleSheet())
+        return False
+
+
+def apply_theme(app: QApplication) -> None:
+    """Use the platform style and palette, plus our sheet, re-applied on palette changes.
+
+    On Linux without a desktop palette, Fusion gives a consistent look; on macOS the native
+    style is kept so menus, buttons and the dark mode switch behave as users expect.
+    """
+    if app.platformName() in ("offscreen", "minimal", "xcb", "wayland"):
+        app.setStyle("Fusion")
+    app.setStyleSheet(style_sheet())
+    if app.findChild(_PaletteWatcher) is None:
+        watcher = _PaletteWatcher(app)
+        app.installEventFilter(watcher)
+
+
+def muted_color(widget: QWidget) -> str:
+    """A secondary text colour for footers and hints, readable in both palettes."""
+    pal = widget.palette()
+    return pal.color(QPalette.ColorGroup.Disabled, QPalette.ColorRole.WindowText).name()

@@ -1,0 +1,225 @@
+"""Turn replies into the HTML the chat view shows: pure functions, no widgets.
+
+Two renderings of the same reply:
+
+* speculation shown: one `<span>` per token, styled by its `TokenKind` (accepted green,
+  replaced amber, bonus blue, rejected drafts as struck-through red ghosts right before the
+  token that replaced them), each with a tooltip naming its kind and the target's probability;
+* clean: the committed text as Markdown (markdown-it-py, CommonMark + tables), code blocks
+  highlighted by pygments with a copy link, as a coding assistant's reply is expected to look.
+
+The HTML stays inside the subset QTextDocument understands (inline styles, tables, pre).
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from markdown_it import MarkdownIt
+from pygments import highlight
+from pygments.formatters import HtmlFormatter
+from pygments.lexers import TextLexer, get_lexer_by_name, guess_lexer
+from pygments.util import ClassNotFound
+
+from app.store import Message, stats_from_dict
+from engine.events import Stats, Step, Token, TokenKind
+
+MONO = "Menlo, 'SF Mono', Consolas, 'DejaVu Sans Mono', monospace"
+COPY_SCHEME = "copy-code"  # anchors "copy-code:<n>" ask the view to copy code block n
+
+
+@dataclass(frozen=True)
+class KindStyle:
+    """How one token kind looks in the light and dark palettes, and what it means."""
+
+    label: str
+    meaning: str
+    light_fg: str | None
+    light_bg: str | None
+    dark_fg: str | None
+    dark_bg: str | None
+    strike: bool = False
+
+    def colors(self, dark: bool) -> tuple[str | None, str | None]:
+        return (self.dark_fg, self.dark_bg) if dark else (self.light_fg, self.light_bg)
+
+
+KIND_STYLES: dict[TokenKind, KindStyle] = {
+    TokenKind.ACCEPTED: KindStyle(
+        "accepted", "drafted, and the target agreed", "#0b5d1e", "#cdf3d5", "#a6f0b4", "#1e4b2b"),
+    TokenKind.REPLACED: KindStyle(
+        "corrected", "the target's own token where the draft was wrong",
+        "#7a4300", "#ffdf9e", "#ffd48a", "#5c3b08"),
+    TokenKind.BONUS: KindStyle(
+        "bonus", "the target's extra token after every draft passed",
+        "#0b3b8f", "#d3e4ff", "#b0cdff", "#1b3763"),
+    TokenKind.REJECTED: KindStyle(
+        "rejected", "a drafted guess the target threw away (never part of the reply)",
+        "#c0392b", None, "#ff8a80", None, strike=True),
+    TokenKind.TARGET: KindStyle(
+        "target", "decoded by the target alone (no draft)", None, None, None, None),
+}
+LEGEND_ORDER = (TokenKind.ACCEPTED, TokenKind.REPLACED, TokenKind.BONUS, TokenKind.REJECTED,
+                TokenKind.TARGET)
+
+
+def kind_css(kind: TokenKind, dark: bool) -> str:
+    """The inline CSS of a token of this kind."""
+    style = KIND_STYLES[kind]
+    fg, bg = style.colors(dark)
+    parts = []
+    if fg:
+        parts.append(f"color:{fg}")
+    if bg:
+        parts.append(f"background-color:{bg}")
+    if style.strike:
+        parts.append("text-decoration:line-through")
+    return ";".join(parts)
+
+
+def token_tooltip(token: Token) -> str:
+    """What hovering a token says: its kind, what that means, the target's probability."""
+    style = KIND_STYLES[token.kind]
+    prob = "n/a" if token.prob is None else f"{token.prob:.1%}"
+    shown = token.text if token.text.strip() else repr(token.text)
+    return f"{style.label}: {style.meaning}\ntoken {token.id} {shown!s}\ntarget probability {prob}"
+
+
+def _escape(text: str) -> str:
+    return html.escape(text, quote=False)
+
+
+def token_span(token: Token, dark: bool = False) -> str:
+    """One token as a styled span with its tooltip."""
+    text = token.text
+    if token.kind is TokenKind.REJECTED and not text:
+        text = "\N{WHITE SQUARE}"  # a ghost must stay visible even if its text is empty
+    if not text:
+        return ""
+    css = kind_css(token.kind, dark)
+    title = html.escape(token_tooltip(token), quote=True)
+    return f'<span style="{css}" title="{title}">{_escape(text)}</span>'
+
+
+def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool = False) -> str:
+    """A reply with every token styled by its fate (inner HTML for a pre-wrap block)."""
+    out: list[str] = []
+    for step in steps:
+        for token in step.tokens:
+            if token.kind is TokenKind.REJECTED and not show_rejected:
+                continue
+            out.append(token_span(token, dark))
+    return "".join(out)
+
+
+def wrap_pre(inner: str) -> str:
+    """A block that keeps spaces and newlines as they are (token text is raw text)."""
+    return f'<div style="white-space:pre-wrap">{inner}</div>'
+
+
+def plain_html(text: str) -> str:
+    """Raw text (a user's message) as HTML that keeps its line breaks."""
+    return wrap_pre(_escape(text))
+
+
+def kinds_present(steps: Iterable[Step]) -> set[TokenKind]:
+    return {t.kind for s in steps for t in s.tokens}
+
+
+# -- clean mode: Markdown ------------------------------------------------------------------
+@dataclass
+class RenderedMarkdown:
+    html: str
+    code_blocks: list[str] = field(default_factory=list)
+
+
+def _lexer(code: str, lang: str):
+    if lang:
+        try:
+            return get_lexer_by_name(lang)
+        except ClassNotFound:
+            pass
+    try:
+        return guess_lexer(code) if code.strip() else TextLexer()
+    except ClassNotFound:
+        return TextLexer()
+
+
+def code_block_html(code: str, lang: str, index: int, dark: bool) -> str:
+    """A highlighted code block in a shaded table cell, with a copy link above it."""
+    formatter = HtmlFormatter(nowrap=True, noclasses=True,
+                              style="github-dark" if dark else "default")
+    body = highlight(code, _lexer(code, lang), formatter).rstrip("\n")
+    bg = "#161b22" if dark else "#f4f6f8"
+    border = "#30363d" if dark else "#d8dee4"
+    muted = "#8b949e" if dark else "#57606a"
+    label = _escape(lang) if lang else "code"
+    return (
+        f'<table width="100%" cellspacing="0" cellpadding="8" '
+        f'style="background-color:{bg}; border:1px solid {border}; margin-top:4px; margin-bottom:4px">'
+        f'<tr><td><span style="color:{muted}; font-size:small">{label}</span>'
+        f'&nbsp;&nbsp;<a href="{COPY_SCHEME}:{index}" style="font-size:small">Copy</a>'
+        f'<pre style="font-family:{MONO}; margin:0">{body}</pre></td></tr></table>'
+    )
+
+
+def _markdown_parser(dark: bool, blocks: list[str]) -> MarkdownIt:
+    md = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable(
+        ["table", "strikethrough"])
+    inline_bg = "#2d333b" if dark else "#eff1f3"
+
+    def fence(self, tokens, idx, options, env) -> str:
+        tok = tokens[idx]
+        lang = tok.info.strip().split()[0] if tok.info.strip() else ""
+        blocks.append(tok.content)
+        return code_block_html(tok.content, lang, len(blocks) - 1, dark)
+
+    def code_inline(self, tokens, idx, options, env) -> str:
+        return (f'<code style="font-family:{MONO}; background-color:{inline_bg}">'
+                f"{_escape(tokens[idx].content)}</code>")
+
+    md.add_render_rule("fence", fence)
+    md.add_render_rule("code_block", fence)
+    md.add_render_rule("code_inline", code_inline)
+    return md
+
+
+def markdown_html(text: str, dark: bool = False) -> RenderedMarkdown:
+    """Markdown (possibly still streaming: an open fence renders as a code block) to HTML."""
+    blocks: list[str] = []
+    body = _markdown_parser(dark, blocks).render(text)
+    return RenderedMarkdown(body, blocks)
+
+
+# -- numbers -------------------------------------------------------------------------------
+def footer_text(stats: Stats) -> str:
+    """The line under a finished reply: "42.1 tok/s · 212 tokens · 81% accepted · 3.4 tokens/pass"."""
+    parts = [f"{stats.decode_tps:.1f} tok/s", f"{stats.generated_tokens} tokens"]
+    if stats.n_drafted:
+        parts.append(f"{stats.acceptance:.0%} accepted")
+    parts.append(f"{stats.tau:.1f} tokens/pass")
+    return " · ".join(parts)
+
+
+STATUS_NOTES = {
+    "stopped": "stopped",
+    "interrupted": "interrupted: the app closed before this reply finished",
+    "failed": "failed",
+}
+
+
+def conversation_markdown(title: str, messages: Sequence[Message]) -> str:
+    """A conversation exported as Markdown, with each reply's numbers under it."""
+    lines = [f"# {title}", ""]
+    for m in messages:
+        heading = {"user": "You", "assistant": "Assistant", "system": "System"}.get(m.role, m.role)
+        model = f" ({m.model})" if m.role == "assistant" and m.model else ""
+        lines += [f"## {heading}{model}", "", m.content, ""]
+        stats = stats_from_dict(m.stats)
+        note = STATUS_NOTES.get(m.status, "")
+        if m.role == "assistant" and (stats or note):
+            meta = " · ".join(x for x in (footer_text(stats) if stats else "", note) if x)
+            lines += [f"*{meta}*", ""]
+    return "\n".join(lines).rstrip() + "\n"

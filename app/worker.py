@@ -1,0 +1,261 @@
+"""The engine worker: the one thread that makes every MLX call for the life of the app.
+
+MLX streams are thread-local, so a model must be used on the thread that loaded it. One
+`EngineWorker` QObject lives on one QThread; the GUI talks to it only through queued
+signals (`EngineHost` holds the thread and forwards requests) and receives one signal per
+target pass (`step_generated`), never one per character. Stop is a `threading.Event` the
+request carries: the GUI sets it directly, the engine checks it between steps, and the
+worker stops reading after the step in flight. Engine errors come back as readable
+messages (`generation_failed`, `model_load_failed`), never as exceptions in the GUI.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import traceback
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from engine.errors import EngineError
+from engine.events import Finished, PromptProgress, Step
+
+log = logging.getLogger(__name__)
+
+DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "auto")
+ACCEPT_RULES = ("coupled", "rejection")
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """What the settings panel controls; saved with every reply it produced."""
+
+    target: str = "demo"
+    draft: str | None = None  # a draft model spec, used when drafter == "model" (or "auto")
+    drafter: str = "auto"  # one of DRAFTER_MODES; "off" is plain decoding
+    k: int | None = None  # draft length; None = adaptive
+    accept: str = "coupled"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 512
+    seed: int = 0
+    system_prompt: str = ""
+
+    @property
+    def engine_drafter(self) -> str:
+        return "none" if self.drafter == "off" else self.drafter
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> ChatSettings:
+        """Tolerant of unknown or missing keys (settings saved by other versions)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in (d or {}).items() if k in known})
+
+    def to_options(self, *, plain: bool = False):
+        """The engine's GenerateOptions for these settings (`plain` forces no drafter)."""
+        from engine.decode import GenerateOptions
+        from engine.sampling import SamplingParams
+
+        sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k,
+                                  top_p=self.top_p, min_p=self.min_p, seed=self.seed)
+        return GenerateOptions(max_tokens=self.max_tokens, sampling=sampling,
+                               drafter="none" if plain else self.engine_drafter,
+                               k=self.k, accept=self.accept)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One reply to generate. `cancel` is shared with the GUI, which sets it on Stop."""
+
+    request_id: int
+    messages: tuple[dict[str, str], ...]
+    settings: ChatSettings
+    cancel: threading.Event = field(default_factory=threading.Event)
+    plain: bool = False  # the comparison's plain-decoding run
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the GUI may know about a loaded model (never the model itself)."""
+
+    spec: str
+    name: str
+    path: str
+    model_type: str
+    backend: str
+    template_warning: str | None = None
+
+
+class EngineWorker(QObject):
+    """Loads models and generates replies; lives on the engine thread (see EngineHost)."""
+
+    model_loading = Signal(str)  # spec
+    model_loaded = Signal(object)  # ModelInfo
+    model_load_failed = Signal(str, str)  # spec, message
+    generation_started = Signal(int)  # request id
+    prompt_progressed = Signal(int, int, int)  # request id, tokens done, total
+    step_generated = Signal(int, object, object)  # request id, Step, Stats after it
+    generation_finished = Signal(int, object)  # request id, Finished
+    generation_failed = Signal(int, str)  # request id, message
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._target_spec: str | None = None
+        self._target = None  # LoadedModel
+        self._drafts: dict[str, Any] = {}  # spec -> LoadedModel
+        self._sessions: dict[str | None, Any] = {}  # draft spec -> ChatSession on the target
+
+    # -- loading -------------------------------------------------------------------------
+    @Slot(str)
+    def load_target(self, spec: str) -> None:
+        """Load `spec` as the target (a no-op when it is already loaded)."""
+        try:
+            self._ensure_target(spec)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a banner, not a crash
+            self.model_load_failed.emit(spec, _describe(exc))
+
+    def _ensure_target(self, spec: str) -> None:
+        if self._target is not None and self._target_spec == spec:
+            return
+        from engine.loading import load_model
+
+        self.model_loading.emit(spec)
+        self._target = self._target_spec = None
+        self._sessions.clear()
+        loaded = load_model(spec)
+        self._target, self._target_spec = loaded, spec
+        self.model_loaded.emit(_model_info(spec, loaded))
+
+    def _draft_model(self, spec: str):
+        if spec not in self._drafts:
+            from engine.loading import load_model
+
+            self.model_loading.emit(spec)
+            self._drafts.clear()  # keep one draft in memory at a time
+            self._drafts[spec] = load_model(spec)
+            self.model_loaded.emit(_model_info(spec, self._drafts[spec]))
+        return self._drafts[spec]
+
+    def _session(self, settings: ChatSettings, plain: bool):
+        """The ChatSession for this target and draft pairing (kept across turns)."""
+        from engine.decode import ChatSession
+
+        self._ensure_target(settings.target)
+        wants_draft = not plain and settings.drafter in ("model", "auto") and settings.draft
+        key = settings.draft if wants_draft else None
+        if key not in self._sessions:
+            draft = self._draft_model(key) if key else None
+            self._sessions[key] = ChatSession(self._target, draft)
+        return self._sessions[key]
+
+    # -- generation ----------------------------------------------------------------------
+    @Slot(object)
+    def generate(self, request: GenerationRequest) -> None:
+        """Run one request to its end, emitting one signal per event."""
+        rid = request.request_id
+        if request.cancel.is_set():  # stopped while waiting in the queue
+            self.generation_failed.emit(rid, "cancelled before it started")
+            return
+        try:
+            session = self._session(request.settings, request.plain)
+            options = request.settings.to_options(plain=request.plain)
+            self.generation_started.emit(rid)
+            events = session.generate(list(request.messages), options, request.cancel)
+            finished = None
+            try:
+                for event in events:
+                    if isinstance(event, Step):
+                        self.step_generated.emit(rid, event, session.stats)
+                    elif isinstance(event, PromptProgress):
+                        self.prompt_progressed.emit(rid, event.done, event.total)
+                    elif isinstance(event, Finished):
+                        finished = event
+            finally:
+                events.close()
+            if finished is None:
+                raise EngineError("the engine stopped without finishing the reply")
+            self.generation_finished.emit(rid, finished)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a banner, not a crash
+            self.generation_failed.emit(rid, _describe(exc))
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, EngineError):
+        return str(exc)
+    log.error("engine worker failed:\n%s", "".join(traceback.format_exception(exc)))
+    return f"Internal error ({type(exc).__name__}): {exc}"
+
+
+def _model_info(spec: str, loaded) -> ModelInfo:
+    config = getattr(loaded, "config", {}) or {}
+    return ModelInfo(
+        spec=spec,
+        name=str(getattr(loaded, "name", spec)),
+        path=str(getattr(loaded, "path", "")),
+        model_type=str(config.get("model_type", "?")),
+        backend=str(getattr(loaded, "backend", "?")),
+        template_warning=getattr(getattr(loaded, "tokenizer", None), "template_warning", None),
+    )
+
+
+class EngineHost(QObject):
+    """The GUI thread's handle on the engine thread: starts it, forwards requests, stops it."""
+
+    _load_requested = Signal(str)
+    _generate_requested = Signal(object)
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self._ids = itertools.count(1)
+        self._active: dict[int, threading.Event] = {}
+        self.thread = QThread()
+        self.thread.setObjectName("understudy-engine")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        self.thread.finished.connect(self.worker.deleteLater)
+        self._load_requested.connect(self.worker.load_target)
+        self._generate_requested.connect(self.worker.generate)
+        self.worker.generation_finished.connect(self._on_request_ended)
+        self.worker.generation_failed.connect(self._on_request_ended)
+        self.thread.start()
+
+    def new_request_id(self) -> int:
+        return next(self._ids)
+
+    def load(self, spec: str) -> None:
+        self._load_requested.emit(spec)
+
+    def generate(self, request: GenerationRequest) -> None:
+        self._active[request.request_id] = request.cancel
+        self._generate_requested.emit(request)
+
+    def cancel(self, request_id: int) -> None:
+        event = self._active.get(request_id)
+        if event is not None:
+            event.set()
+
+    def cancel_all(self) -> None:
+        for event in list(self._active.values()):
+            event.set()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._active)
+
+    def _on_request_ended(self, request_id: int, _payload: object) -> None:
+        self._active.pop(request_id, None)
+
+    def shutdown(self, timeout_ms: int = 30000) -> None:
+        """Stop any reply, then quit and join the engine thread."""
+        self.cancel_all()
+        if self.thread.isRunning():
+            self.thread.quit()
+            self.thread.wait(timeout_ms)

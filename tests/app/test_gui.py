@@ -1,0 +1,489 @@
+"""The desktop app end to end on tiny random models: real engine thread, SQLite, widgets."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import QEvent, QPoint, Qt
+from PySide6.QtGui import QGuiApplication, QHelpEvent, QTextCursor, QTextDocument
+from PySide6.QtWidgets import QApplication, QToolTip
+
+from app.store import COMPLETE, STOPPED, stats_from_dict
+from app.theme import is_dark
+from app.token_render import KIND_STYLES
+from app.worker import ChatSettings
+from engine.events import Step, TokenKind
+
+TIMEOUT = 60_000
+
+
+def plain_settings(target: Path, **kw) -> ChatSettings:
+    return ChatSettings(target=str(target), drafter="off", max_tokens=kw.pop("max_tokens", 24), **kw)
+
+
+def spec_settings(target: Path, draft: Path, **kw) -> ChatSettings:
+    return ChatSettings(target=str(target), draft=str(draft), drafter="model", k=4,
+                        max_tokens=kw.pop("max_tokens", 60), **kw)
+
+
+def send_by_keyboard(qtbot, gui, text: str) -> None:
+    edit = gui.window.composer.edit
+    qtbot.keyClicks(edit, text)
+    qtbot.keyClick(edit, Qt.Key.Key_Return)
+
+
+def wait_idle(qtbot, gui) -> None:
+    qtbot.waitUntil(lambda: not gui.controller.generating, timeout=TIMEOUT)
+
+
+def fragments(doc: QTextDocument):
+    """(text, QTextCharFormat) for every fragment in the document."""
+    block = doc.begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            frag = it.fragment()
+            if frag.isValid():
+                yield frag.text(), frag.charFormat(), frag.position()
+            it += 1
+        block = block.next()
+
+
+def kind_of(fmt) -> TokenKind | None:
+    tip = fmt.toolTip()
+    for kind, style in KIND_STYLES.items():
+        if tip.startswith(style.label + ":"):
+            return kind
+    return None
+
+
+def test_send_streams_text_and_saves_reply(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=160))
+    steps: list[Step] = []
+    gui.controller.step_received.connect(lambda _m, step, _s: steps.append(step))
+    send_by_keyboard(qtbot, gui, "Hello there")
+    assert gui.window.composer.edit.toPlainText() == ""  # Enter sent it
+    assert gui.window.composer.stop_button.isVisible()
+
+    card = gui.window.chat_view.cards[-1]
+    qtbot.waitUntil(lambda: card.document().toPlainText() != "" and gui.controller.generating,
+                    timeout=TIMEOUT)
+    partial = card.document().toPlainText()
+    wait_idle(qtbot, gui)
+
+    [user, reply] = gui.store.messages(gui.controller.conversation_id)
+    assert user.content == "Hello there" and user.role == "user"
+    assert reply.status == COMPLETE and len(reply.steps) == len(steps) == 160
+    assert reply.content == "".join(s.text for s in steps)
+    assert card.document().toPlainText() == reply.content
+    assert len(partial) < len(reply.content)  # text arrived while generating
+    stats = stats_from_dict(reply.stats)
+    assert stats.generated_tokens == 160 and stats.finish_reason == "length"
+    assert card.footer.text().startswith(f"{stats.decode_tps:.1f} tok/s · 160 tokens")
+    assert gui.window.gauge.tokens_label.text() == "160"
+    assert gui.window.gauge.sparkline.values and max(gui.window.gauge.sparkline.values) > 0
+    assert gui.window.composer.send_button.isVisible()
+    assert gui.window.windowTitle().startswith("Hello there")
+
+
+def test_shift_enter_inserts_newline(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0]))
+    edit = gui.window.composer.edit
+    qtbot.keyClicks(edit, "line one")
+    qtbot.keyClick(edit, Qt.Key.Key_Return, Qt.KeyboardModifier.ShiftModifier)
+    qtbot.keyClicks(edit, "line two")
+    assert edit.toPlainText() == "line one\nline two"
+    assert not gui.controller.generating
+
+
+def test_every_token_kind_is_styled_with_tooltip(qtbot, make_gui, tiny_pair) -> None:
+    """Each kind the drafter produced shows with its style.
+
+    A random tiny model emits bytes that are rarely valid UTF-8, so many committed tokens
+    carry no text of their own (the detokenizer holds them); only kinds with visible text can
+    show. The demo-model test checks all five on real text.
+    """
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft))
+    produced: set[TokenKind] = set()
+    visible: set[TokenKind] = set()
+
+    def record(_m, step: Step, _s) -> None:
+        produced.update(t.kind for t in step.tokens)
+        visible.update(t.kind for t in step.tokens if t.text)
+
+    gui.controller.step_received.connect(record)
+    gui.controller.send("The cat sat on the mat.")
+    wait_idle(qtbot, gui)
+    gui.controller.set_settings(plain_settings(target, max_tokens=8))
+    gui.controller.send("And then?")
+    wait_idle(qtbot, gui)
+    assert produced == set(TokenKind)  # the draft made every speculative kind; plain, TARGET
+
+    spec_card, plain_card = gui.window.chat_view.cards[1], gui.window.chat_view.cards[3]
+    dark = is_dark(spec_card.palette())
+    seen: dict[TokenKind, tuple[str, int]] = {}
+    for card in (spec_card, plain_card):
+        for text, fmt, pos in fragments(card.document()):
+            kind = kind_of(fmt)
+            if kind is None:
+                continue
+            fg, bg = KIND_STYLES[kind].colors(dark)
+            if fg:
+                assert fmt.foreground().color().name() == fg
+            if bg:
+                assert fmt.background().color().name() == bg
+            assert fmt.fontStrikeOut() == (kind is TokenKind.REJECTED)
+            assert "target probability" in fmt.toolTip()
+            seen.setdefault(kind, (text, pos))
+    assert set(seen) == visible
+    assert {TokenKind.REJECTED, TokenKind.REPLACED, TokenKind.TARGET} <= visible
+    legend = gui.window.chat_view.legend.label.text()
+    for style in KIND_STYLES.values():
+        assert style.label in legend
+
+    # hovering a token shows its kind and probability
+    browser = spec_card.browser
+    _, pos = seen[TokenKind.REPLACED]
+    cursor = QTextCursor(spec_card.document())
+    cursor.setPosition(pos)
+    rect = browser.cursorRect(cursor)
+    point = QPoint(rect.right() + 2, rect.center().y())
+    tip = browser.tooltip_at(point)
+    assert tip.startswith("corrected:") and "target probability" in tip
+    QApplication.sendEvent(browser.viewport(), QHelpEvent(
+        QEvent.Type.ToolTip, point, browser.viewport().mapToGlobal(point)))
+    assert QToolTip.text() == tip
+
+    # a dark system palette switches the token colours live
+    from PySide6.QtGui import QColor, QPalette
+
+    dark_palette = QPalette()
+    for role, color in ((QPalette.ColorRole.Window, "#1e1e1e"), (QPalette.ColorRole.Base, "#252526"),
+                        (QPalette.ColorRole.AlternateBase, "#2d2d30"),
+                        (QPalette.ColorRole.Button, "#333337"),
+                        (QPalette.ColorRole.WindowText, "#eeeeee"), (QPalette.ColorRole.Text, "#eeeeee"),
+                        (QPalette.ColorRole.ButtonText, "#eeeeee")):
+        dark_palette.setColor(role, QColor(color))
+    light_palette = QApplication.palette()
+    QApplication.setPalette(dark_palette)  # what the system does when it switches to dark
+    assert is_dark(spec_card.palette())
+    replaced = [f for _, f, _ in fragments(spec_card.document()) if kind_of(f) is TokenKind.REPLACED]
+    assert replaced[0].background().color().name() == KIND_STYLES[TokenKind.REPLACED].dark_bg
+    QApplication.setPalette(light_palette)
+    assert not is_dark(spec_card.palette())
+
+    # hiding rejected guesses drops exactly the rejected tokens from the document
+    n_rejected = sum(t.kind is TokenKind.REJECTED for s in spec_card.steps for t in s.tokens)
+    assert n_rejected > 0
+    gui.window.rejected_action.trigger()
+    assert all(kind_of(f) is not TokenKind.REJECTED for _, f, _ in fragments(spec_card.document()))
+    assert spec_card.document().toPlainText() == spec_card.message.content
+
+
+def test_stop_mid_reply_leaves_consistent_conversation(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=5000))
+    after_cancel: list[bool] = []
+    cancel_events: list[threading.Event] = []
+    # Runs on the engine thread as each step is emitted: did Stop come before it?
+    gui.host.worker.step_generated.connect(
+        lambda *_: after_cancel.append(bool(cancel_events) and cancel_events[0].is_set()),
+        Qt.ConnectionType.DirectConnection)
+    gui.controller.send("Count forever")
+    cancel_events.append(gui.controller.current_request.cancel)
+    card = gui.window.chat_view.cards[-1]
+    qtbot.waitUntil(lambda: len(card.steps) >= 3, timeout=TIMEOUT)
+    qtbot.mouseClick(gui.window.composer.stop_button, Qt.MouseButton.LeftButton)
+    wait_idle(qtbot, gui)
+
+    assert sum(after_cancel) <= 1  # the engine stopped within one step
+    [_, reply] = gui.store.messages(gui.controller.conversation_id)
+    assert reply.status == STOPPED
+    stats = stats_from_dict(reply.stats)
+    assert stats.finish_reason == "cancelled" and stats.generated_tokens < 5000
+    assert reply.content == "".join(s.text for s in reply.steps)
+    assert card.document().toPlainText() == reply.content
+    assert "stopped" in card.footer.text()
+
+    # the conversation goes on
+    gui.controller.set_settings(plain_settings(tiny_pair[0], max_tokens=4))
+    assert gui.controller.send("Go on")
+    wait_idle(qtbot, gui)
+    roles = [(m.role, m.status) for m in gui.store.messages(gui.controller.conversation_id)]
+    assert roles == [("user", COMPLETE), ("assistant", STOPPED), ("user", COMPLETE),
+                     ("assistant", COMPLETE)]
+
+
+def test_engine_error_shows_banner_not_crash(qtbot, make_gui, tiny_pair) -> None:
+    settings = ChatSettings(target=str(tiny_pair[0]), drafter="model", draft=None, max_tokens=8)
+    gui = make_gui(settings)
+    with qtbot.waitSignal(gui.controller.error_raised, timeout=TIMEOUT):
+        gui.controller.send("hi")
+    wait_idle(qtbot, gui)
+    assert gui.window.banner.isVisible()
+    assert "needs a draft model" in gui.window.banner.text
+    # the failed, empty reply is not left behind; the user message is
+    assert [m.role for m in gui.store.messages(gui.controller.conversation_id)] == ["user"]
+    assert len(gui.window.chat_view.cards) == 1
+
+    gui.controller.set_settings(plain_settings(tiny_pair[0], max_tokens=4))
+    gui.window.regenerate_last()  # nothing to regenerate: no reply
+    assert gui.controller.edit_and_resend(gui.store.messages(gui.controller.conversation_id)[0].id,
+                                          "hi again")
+    wait_idle(qtbot, gui)
+    assert [m.content for m in gui.store.messages(gui.controller.conversation_id)][0] == "hi again"
+
+
+def test_missing_model_shows_banner(qtbot, make_gui, tmp_path) -> None:
+    gui = make_gui(plain_settings(tmp_path / "no-such-model"))
+    qtbot.waitUntil(lambda: gui.window.banner.isVisible(), timeout=TIMEOUT)
+    assert "Could not load model" in gui.window.banner.text
+
+
+def test_comparison_runs_both_ways_and_reports_identical(qtbot, make_gui, tiny_pair) -> None:
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, temperature=0.8, seed=11, max_tokens=40))
+    gui.window.compare_action.trigger()
+    assert gui.window.stack.currentWidget() is gui.window.comparison_view
+    with qtbot.waitSignal(gui.controller.comparison_finished, timeout=TIMEOUT) as blocker:
+        send_by_keyboard(qtbot, gui, "Tell me about cats")
+    wait_idle(qtbot, gui)
+    result = blocker.args[0]
+    view = gui.window.comparison_view
+    assert result.identical and result.speculative_text == result.plain_text
+    assert result.speculative.n_drafted > 0 and result.plain.n_drafted == 0
+    assert result.plain.target_passes == result.plain.generated_tokens
+    assert view.speculative.text() == view.plain.text() == result.plain_text
+    assert "identical output" in view.result_label.text()
+    assert f"<b>{result.speedup:.2f}×" in view.result_label.text()
+    assert view.plain.gauge.tau_label.text() == "1.00"
+    assert view.plain.gauge.accept_label.text() == "—"
+
+    [_, reply] = gui.store.messages(gui.controller.conversation_id)
+    assert reply.content == result.speculative_text
+    assert reply.comparison["identical"] is True
+    assert reply.comparison["speedup"] == pytest.approx(result.speedup)
+
+    # replay the same prompt: same text again
+    with qtbot.waitSignal(gui.controller.comparison_finished, timeout=TIMEOUT) as again:
+        qtbot.mouseClick(view.replay_button, Qt.MouseButton.LeftButton)
+    wait_idle(qtbot, gui)
+    assert again.args[0].identical and again.args[0].plain_text == result.plain_text
+    assert len(gui.store.messages(gui.controller.conversation_id)) == 2
+
+
+def test_restart_restores_conversations_with_highlighting(qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=30))
+    gui.controller.send("First chat")
+    wait_idle(qtbot, gui)
+    first = gui.controller.conversation_id
+    before = [(t, kind_of(f)) for t, f, _ in fragments(gui.window.chat_view.cards[1].document())]
+    gui.controller.new_conversation()
+    gui.controller.set_settings(plain_settings(target, max_tokens=6))
+    gui.controller.send("Second chat")
+    wait_idle(qtbot, gui)
+    gui.controller.open_conversation(first)
+    gui.window.chat_view.set_show_rejected(False)
+    gui.close()
+
+    again = make_gui(plain_settings(target))
+    titles = [again.window.sidebar.model.index(r).data() for r in range(again.window.sidebar.model.rowCount())]
+    assert titles == ["Second chat", "First chat"]
+    assert again.controller.conversation_id == first  # reopened where the user left
+    assert not again.window.chat_view.show_rejected  # view toggles persisted
+    again.window.chat_view.set_show_rejected(True)
+    after = [(t, kind_of(f)) for t, f, _ in fragments(again.window.chat_view.cards[1].document())]
+    assert after == before
+    kinds = {k for _, k in after}
+    assert {TokenKind.REJECTED, TokenKind.REPLACED} <= kinds
+
+
+def test_regenerate_replaces_the_reply(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=6))
+    gui.controller.send("Say something")
+    wait_idle(qtbot, gui)
+    [_, first] = gui.store.messages(gui.controller.conversation_id)
+    card = gui.window.chat_view.card_for(first.id)
+    gui.controller.set_settings(plain_settings(tiny_pair[0], max_tokens=6, temperature=1.0, seed=5))
+    qtbot.mouseClick(card.regenerate_button, Qt.MouseButton.LeftButton)
+    wait_idle(qtbot, gui)
+    msgs = gui.store.messages(gui.controller.conversation_id)
+    assert [m.role for m in msgs] == ["user", "assistant"]
+    assert msgs[1].id > first.id and msgs[1].settings["seed"] == 5
+    assert [c.message_id for c in gui.window.chat_view.cards] == [msgs[0].id, msgs[1].id]
+
+
+def test_sidebar_search_rename_delete_and_export(qtbot, make_gui, tiny_pair, tmp_path, monkeypatch) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    for text in ("Python decorators", "Sourdough bread"):
+        gui.controller.new_conversation()
+        gui.controller.send(text)
+        wait_idle(qtbot, gui)
+    sidebar = gui.window.sidebar
+    assert sidebar.model.rowCount() == 2
+    qtbot.keyClicks(sidebar.search_edit, "python")
+    assert sidebar.model.rowCount() == 1
+    index = sidebar.model.index(0)
+    assert index.data() == "Python decorators"
+    sidebar.model.setData(index, "Decorators, explained")
+    sidebar.search_edit.clear()
+    titles = {sidebar.model.index(r).data() for r in range(sidebar.model.rowCount())}
+    assert titles == {"Decorators, explained", "Sourdough bread"}
+
+    out = gui.window.export_conversation(path=tmp_path / "chat.md")
+    text = out.read_text(encoding="utf-8")
+    assert text.startswith("# Sourdough bread\n")
+    assert "## You\n\nSourdough bread" in text and "tokens/pass" in text
+
+    from PySide6.QtWidgets import QMessageBox
+
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.Yes)
+    current = gui.controller.conversation_id
+    sidebar.confirm_delete(current)
+    assert gui.store.conversation(current) is None
+    assert sidebar.model.rowCount() == 1
+    assert gui.controller.conversation_id != current
+    assert gui.window.chat_view.cards[0].message.content == "Python decorators"
+
+
+def test_draft_list_disables_incompatible_models(qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    panel = gui.window.settings_panel
+    assert panel.draft_reason(str(draft)) is None
+    assert "target model itself" in panel.draft_reason(str(target))
+
+
+def test_window_state_and_settings_persist(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0]))
+    gui.window.resize(760, 640)  # the offscreen screen is 800x800
+    gui.window.compare_action.trigger()
+    gui.window.settings_panel.temperature.setValue(0.7)
+    gui.window.settings_panel.seed.setValue(42)
+    assert gui.controller.settings.temperature == 0.7 and gui.controller.settings.seed == 42
+    gui.close()
+    from app.main_window import load_chat_settings
+
+    restored = load_chat_settings(gui.qsettings)
+    assert restored.temperature == 0.7 and restored.seed == 42
+    again = make_gui(restored)
+    assert again.window.comparison_mode
+    assert (again.window.width(), again.window.height()) == (760, 640)
+    assert again.window.settings_panel.seed.value() == 42
+
+
+def test_clipboard_copy_of_message(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    gui.controller.send("copy me")
+    wait_idle(qtbot, gui)
+    user_card = gui.window.chat_view.cards[0]
+    qtbot.mouseClick(user_card.copy_button, Qt.MouseButton.LeftButton)
+    assert QGuiApplication.clipboard().text() == "copy me"
+
+
+CRASHING_APP = """
+import os, sys
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+from PySide6.QtWidgets import QApplication
+app = QApplication([])
+from app.controller import ChatController
+from app.store import Store
+from app.worker import ChatSettings, EngineHost
+store = Store(sys.argv[1])
+host = EngineHost()
+controller = ChatController(store, host, ChatSettings(target=sys.argv[2], drafter="off",
+                                                       max_tokens=2000))
+controller.load_model()
+controller.send("Tell me everything you know")
+app.exec()
+"""
+
+
+def test_killed_mid_reply_keeps_partial_reply(qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    """SIGKILL the app while it streams: the steps so far are in the DB, marked interrupted."""
+    import sqlite3
+    import subprocess
+    import sys
+    import time
+
+    db = tmp_path / "history.sqlite3"
+    script = tmp_path / "crashing_app.py"
+    script.write_text(CRASHING_APP)
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, str(script), str(db), str(tiny_pair[0])], cwd=repo,
+                            env={**__import__("os").environ, "PYTHONPATH": str(repo)})
+    try:
+        deadline = time.monotonic() + 60
+        n_steps = 0
+        while n_steps < 8:  # poll the live database until the reply is well under way
+            assert proc.poll() is None, "the app exited before it was killed"
+            assert time.monotonic() < deadline, "no steps were saved"
+            if db.exists():
+                with sqlite3.connect(db) as peek:
+                    try:
+                        n_steps = peek.execute("SELECT COUNT(*) FROM steps").fetchone()[0]
+                    except sqlite3.OperationalError:  # schema not created yet
+                        n_steps = 0
+            time.sleep(0.05)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait()
+
+    gui = make_gui(plain_settings(tiny_pair[0]), db=db)
+    assert gui.store.interrupted_on_open == 1
+    [user, reply] = gui.store.messages(gui.controller.conversation_id)
+    assert user.content == "Tell me everything you know"
+    assert reply.status == "interrupted" and len(reply.steps) >= 8
+    assert reply.content == "".join(s.text for s in reply.steps)
+    card = gui.window.chat_view.card_for(reply.id)
+    assert "interrupted" in card.footer.text()
+    assert card.document().toPlainText() == reply.content
+    assert "cut off" in gui.window.banner.text
+
+
+STARTING_APP = """
+import os, sys
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+app = QApplication([])
+from app.gui import run_gui
+from app.main_window import MainWindow
+
+def poll():
+    wins = [w for w in app.topLevelWidgets() if isinstance(w, MainWindow)]
+    if wins and (wins[0].controller.model is not None or wins[0].banner.text):
+        w = wins[0]
+        print("MODEL", w.controller.model and w.controller.model.name, "BANNER", w.banner.text,
+              flush=True)
+        w.close()
+        app.quit()
+        return
+    QTimer.singleShot(20, poll)
+
+QTimer.singleShot(0, poll)
+sys.exit(run_gui(sys.argv[1]))
+"""
+
+
+def test_run_gui_opens_window_on_model_and_exits_cleanly(tiny_pair, tmp_path) -> None:
+    """`understudy` with no arguments: qasync loop, engine thread, window, clean exit."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "start_app.py"
+    script.write_text(STARTING_APP)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "UNDERSTUDY_DATA_DIR": str(tmp_path / "data"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, str(script), str(tiny_pair[0])], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "MODEL tiny-target BANNER \n" in done.stdout
+    assert (tmp_path / "data" / "history.sqlite3").exists()

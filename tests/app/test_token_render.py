@@ -1,0 +1,132 @@
+"""Token styling, clean Markdown, footers and export: pure functions, checked as Qt reads them."""
+
+from __future__ import annotations
+
+import pytest
+from PySide6.QtGui import QTextDocument
+
+from app.gauge import RateTracker
+from app.store import Message
+from app.token_render import (
+    KIND_STYLES,
+    footer_text,
+    markdown_html,
+    token_tooltip,
+    tokens_html,
+    wrap_pre,
+)
+from engine.events import Stats, Step, Token, TokenKind
+
+STEPS = (
+    Step((Token(1, "def", TokenKind.TARGET, 0.5),)),
+    Step((Token(2, " add", TokenKind.ACCEPTED, 0.91), Token(3, "(x", TokenKind.REJECTED, 0.02),
+          Token(4, "(a", TokenKind.REPLACED, 0.77)), n_drafted=2, n_accepted=1, k=2,
+         drafter="ngram"),
+    Step((Token(5, ",", TokenKind.ACCEPTED, 0.99), Token(6, " b", TokenKind.BONUS, 0.88)),
+         n_drafted=1, n_accepted=1, k=1, drafter="ngram"),
+    Step((Token(7, "):\n    <&>", TokenKind.TARGET, 0.4),)),
+)
+
+
+def doc_of(html: str) -> QTextDocument:
+    doc = QTextDocument()
+    doc.setHtml(html)
+    return doc
+
+
+def formats_by_text(doc: QTextDocument) -> dict[str, object]:
+    out = {}
+    block = doc.begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            frag = it.fragment()
+            out[frag.text()] = frag.charFormat()
+            it += 1
+        block = block.next()
+    return out
+
+
+@pytest.mark.parametrize("dark", [False, True])
+def test_every_kind_gets_its_style_and_tooltip(qapp, dark: bool) -> None:
+    doc = doc_of(wrap_pre(tokens_html(STEPS, dark=dark)))
+    assert doc.toPlainText() == "def add(x(a, b):\n    <&>"  # raw text, spaces and newline kept
+    fmts = formats_by_text(doc)
+    expect = {" add": TokenKind.ACCEPTED, "(x": TokenKind.REJECTED, "(a": TokenKind.REPLACED,
+              " b": TokenKind.BONUS, "def": TokenKind.TARGET}
+    for text, kind in expect.items():
+        fmt = fmts[text]
+        fg, bg = KIND_STYLES[kind].colors(dark)
+        if fg:
+            assert fmt.foreground().color().name() == fg
+        if bg:
+            assert fmt.background().color().name() == bg
+        assert fmt.fontStrikeOut() == (kind is TokenKind.REJECTED)
+        assert fmt.toolTip().startswith(KIND_STYLES[kind].label + ":")
+    assert "77.0%" in fmts["(a"].toolTip()
+
+
+def test_hiding_rejected_leaves_exactly_the_committed_text(qapp) -> None:
+    doc = doc_of(wrap_pre(tokens_html(STEPS, show_rejected=False)))
+    assert doc.toPlainText() == "".join(s.text for s in STEPS)
+
+
+def test_tooltip_names_kind_and_probability() -> None:
+    tip = token_tooltip(Token(9, " x", TokenKind.BONUS, 0.125))
+    assert tip.splitlines()[0].startswith("bonus: ")
+    assert tip.endswith("target probability 12.5%")
+    assert token_tooltip(Token(9, "y", TokenKind.TARGET, None)).endswith("n/a")
+
+
+def test_markdown_highlights_code_and_collects_blocks(qapp) -> None:
+    text = "Here:\n\n```python\ndef f(x):\n    return x  # done\n```\n\nUse `f` **twice**."
+    rendered = markdown_html(text)
+    assert rendered.code_blocks == ["def f(x):\n    return x  # done\n"]
+    assert 'href="copy-code:0"' in rendered.html
+    doc = doc_of(rendered.html)
+    plain = doc.toPlainText()
+    assert "def f(x):\n    return x  # done" in plain and "Use f twice." in plain
+    fmts = formats_by_text(doc)
+    assert fmts["def"].foreground().color().name() != fmts["f"].foreground().color().name() or \
+        fmts["def"].fontWeight() != fmts["f"].fontWeight()  # keyword styled unlike a name
+    assert fmts["twice"].fontWeight() > fmts["Use "].fontWeight()
+
+
+def test_markdown_open_fence_while_streaming(qapp) -> None:
+    rendered = markdown_html("Start:\n```py\nprint(1")
+    assert rendered.code_blocks == ["print(1"]
+    assert "print" in doc_of(rendered.html).toPlainText()
+
+
+def test_footer_text() -> None:
+    stats = Stats(generated_tokens=212, decode_s=212 / 42.1, target_passes=62, n_drafted=200,
+                  n_accepted=162)
+    assert footer_text(stats) == "42.1 tok/s · 212 tokens · 81% accepted · 3.4 tokens/pass"
+    plain = Stats(generated_tokens=10, decode_s=2.0, target_passes=10)
+    assert footer_text(plain) == "5.0 tok/s · 10 tokens · 1.0 tokens/pass"
+
+
+def test_rate_tracker_never_reports_a_burst() -> None:
+    """Five tokens landing at once after 0.5 s of waiting is 10 tok/s, not a spike."""
+    tracker = RateTracker(window_s=1.0)
+    assert tracker.add(0.5, 5) == pytest.approx(10.0)
+    assert tracker.add(0.5001, 6) == pytest.approx(6 / 0.5001)  # a quick bonus token
+    assert tracker.add(1.0, 11) == pytest.approx(11.0)
+    rate = tracker.add(2.0, 16)  # window: since the sample at 1.0 s
+    assert rate == pytest.approx(5.0)
+    assert len(tracker.history) == 4
+
+
+def test_conversation_markdown_export() -> None:
+    from app.token_render import conversation_markdown
+
+    stats = {"generated_tokens": 10, "decode_s": 2.0, "target_passes": 5, "n_drafted": 8,
+             "n_accepted": 5}
+    msgs = [Message(1, 1, 0, "user", "Why?"),
+            Message(2, 1, 1, "assistant", "Because.", model="demo", stats=stats),
+            Message(3, 1, 2, "assistant", "Partial", status="interrupted")]
+    md = conversation_markdown("Questions", msgs)
+    assert md == ("# Questions\n\n## You\n\nWhy?\n\n## Assistant (demo)\n\nBecause.\n\n"
+                  "*5.0 tok/s · 10 tokens · 62% accepted · 2.0 tokens/pass*\n\n"
+                  "## Assistant\n\nPartial\n\n"
+                  "*interrupted: the app closed before this reply finished*\n")
