@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -153,14 +155,17 @@ def _stream(session, messages, options, out=sys.stdout) -> Any:
 
     finished = None
     steps: list[Step] = []
-    for ev in session.generate(messages, options):
-        if isinstance(ev, Step):
-            steps.append(ev)
-            if out is not None:
-                out.write(ev.text)
-                out.flush()
-        elif isinstance(ev, Finished):
-            finished = ev
+    # closing(): on Ctrl-C (chat) or a broken pipe the loop's cleanup — trimming the KV
+    # cache to what was committed — runs now, not whenever the generator is collected.
+    with closing(session.generate(messages, options)) as events:
+        for ev in events:
+            if isinstance(ev, Step):
+                steps.append(ev)
+                if out is not None:
+                    out.write(ev.text)
+                    out.flush()
+            elif isinstance(ev, Finished):
+                finished = ev
     return finished, steps
 
 
@@ -271,6 +276,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # stdout closed early (`| head`): stop quietly; point stdout at devnull so the
+        # interpreter's final flush does not raise again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except OSError as e:  # unreadable/unwritable paths, a full disk: the user's to fix
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -57,8 +57,10 @@ class PreallocatedKVCache:
             self.keys, self.values = new_k, new_v
         else:
             assert self.values is not None
-            self.keys = mx.concatenate([self.keys[..., : self.offset, :], new_k], axis=2)
-            self.values = mx.concatenate([self.values[..., : self.offset, :], new_v], axis=2)
+            # keep the whole old buffer: `extra` was sized from `capacity`, and after a trim
+            # offset < capacity, so keeping only `offset` rows could leave too few
+            self.keys = mx.concatenate([self.keys, new_k], axis=2)
+            self.values = mx.concatenate([self.values, new_v], axis=2)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         L = keys.shape[2]

@@ -48,13 +48,18 @@ class GenerateOptions:
     accept: str = "coupled"
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise EngineError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        for name in ("max_tokens", "prefill_chunk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise EngineError(f"{name} must be an integer of at least 1, got {value!r}")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise EngineError(f"stop must be a tuple of strings, got {self.stop!r}")
         if self.drafter not in DRAFTERS:
             raise EngineError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if self.accept not in ACCEPT_RULES:
             raise EngineError(f"accept must be one of {', '.join(ACCEPT_RULES)}, got {self.accept!r}")
-        if self.k is not None and self.k < 1:
+        if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
+                                   or self.k < 1):
             raise EngineError(f"k must be at least 1 (or auto), got {self.k}")
 
 
@@ -151,8 +156,11 @@ class ChatSession:
             costs = self._costs = self._costs or self._calibrate()
         ngram = self._drafters["ngram"]
         assert isinstance(ngram, NgramDrafter)
-        return DraftPolicy(mode, available, costs, options.k,
-                           lambda ctx, k: len(ngram.match(ctx, k)))
+        def ngram_match(ctx: Sequence[int], k: int) -> tuple[int, int]:
+            tokens, n = ngram.match_with_length(ctx, k)
+            return len(tokens), n
+
+        return DraftPolicy(mode, available, costs, options.k, ngram_match)
 
     def _calibrate(self) -> CostModel:
         """Measure pass costs once per model/draft/backend; cached on disk."""
@@ -214,7 +222,8 @@ class ChatSession:
             steps = plain_steps(self.target.model, self.caches_tgt, logits, context,
                                 options.sampling)
         else:
-            steps = speculative_steps(self.target.model, self.caches_tgt, context,
+            # prefill stopped one short: the first verify pass feeds the newest prompt token
+            steps = speculative_steps(self.target.model, self.caches_tgt, context, None,
                                       options.sampling, options.accept, self._drafters, policy)
         yield from self._drive(steps, context, len(prompt_ids), options, cancel, stats)
 
@@ -236,22 +245,26 @@ class ChatSession:
         generated: list[int] = []
         t0 = time.perf_counter()
         finish: str | None = None
+        window = self.context_window
         try:
             for raw in steps:
                 tokens: list[Token] = []
+                eos_token: Token | None = None
                 for tid, kind, prob in zip(raw.ids, raw.kinds, raw.probs, strict=True):
                     if not kind.committed:
                         tokens.append(Token(tid, tok.token_text(tid), kind, prob))
                         continue
                     if tid in eos:
                         finish = "eos"
+                        eos_token = Token(tid, "", kind, prob)
                         break
                     generated.append(tid)
                     piece = stopper.feed(detok.add(tid))
                     tokens.append(Token(tid, piece, kind, prob))
                     if stopper.stopped:
                         finish = "stop"
-                    elif len(generated) >= options.max_tokens:
+                    elif (len(generated) >= options.max_tokens
+                          or n_prompt + len(generated) >= window):
                         finish = "length"
                     if finish is not None:
                         break
@@ -259,15 +272,24 @@ class ChatSession:
                     finish = "cancelled"
                 if finish not in (None, "stop"):
                     tail = stopper.flush() + detok.flush()
-                    if tail and tokens:
-                        last = tokens[-1]
-                        tokens[-1] = Token(last.id, last.text + tail, last.kind, last.prob)
+                    # held-back text rides on this step's last committed token (never a
+                    # rejected one); an eos-only step has none, so the eos token carries it
+                    last = next((i for i in reversed(range(len(tokens)))
+                                 if tokens[i].kind.committed), None)
+                    if tail and last is not None:
+                        t = tokens[last]
+                        tokens[last] = Token(t.id, t.text + tail, t.kind, t.prob)
+                    elif tail and eos_token is not None:
+                        tokens.append(replace(eos_token, text=tail))
                 text_parts.extend(t.text for t in tokens if t.kind.committed)
+                # a pass that only produced eos shows nothing: no Step, and tau stays
+                # visible tokens per pass (exactly 1.0 for plain decoding)
+                shown = bool(tokens)
                 stats = replace(
                     stats,
                     generated_tokens=len(generated),
                     decode_s=time.perf_counter() - t0,
-                    target_passes=stats.target_passes + 1,
+                    target_passes=stats.target_passes + shown,
                     n_drafted=stats.n_drafted + raw.n_drafted,
                     n_accepted=stats.n_accepted + raw.n_accepted,
                     draft_s=stats.draft_s + raw.draft_s,
@@ -276,8 +298,9 @@ class ChatSession:
                     finish_reason=finish,
                 )
                 self.stats = stats
-                yield Step(tuple(tokens), raw.n_drafted, raw.n_accepted, raw.draft_s,
-                           raw.verify_s, raw.k, raw.drafter)
+                if shown:
+                    yield Step(tuple(tokens), raw.n_drafted, raw.n_accepted, raw.draft_s,
+                               raw.verify_s, raw.k, raw.drafter)
                 if finish is not None:
                     break
         finally:

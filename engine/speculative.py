@@ -1,8 +1,16 @@
 """Speculative decoding steps: draft, verify in one target pass, commit or roll back.
 
-Each step: the policy picks a drafter and K; the drafter proposes; the target runs once
-over [last, d1..dK]; the acceptance rule keeps a prefix and adds the target's own token;
-the target cache is trimmed to the committed length. Yields one `RawStep` per target pass.
+Each step: the policy picks a drafter and K; the drafter proposes; the target checks the
+drafts in one pass; the acceptance rule keeps a prefix and adds the target's own token; the
+target cache is trimmed to the committed length. Yields one `RawStep` per target pass.
+
+The loop is in one of two states between steps:
+* pending: the target's logits for the next position are known (or being computed), and
+  the caches hold all of `context` — exactly plain decoding's state. A step without drafts
+  samples from them and queues the next pass before reading the token back, so steps the
+  policy declines to draft for cost what plain decoding costs.
+* unfed: the caches hold `context[:-1]`; the newest token (the replaced or bonus token of
+  the last verification) goes into the next pass, in front of the drafts.
 """
 
 from __future__ import annotations
@@ -10,11 +18,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
+import mlx.core as mx
+
 from engine.cache import KVCache, trim_caches
 from engine.drafters.base import Draft, Drafter
 from engine.events import TokenKind
 from engine.sampling import SamplingParams, log_probs
-from engine.steps import RawStep, forward
+from engine.steps import RawStep, choose, forward
 from engine.tuning import Choice, DraftPolicy
 from engine.verify import Verdict, verify_coupled, verify_rejection
 
@@ -28,13 +38,20 @@ def draft_step(drafter: Drafter | None, choice: Choice, context: Sequence[int],
 
 
 def verify_step(model, caches: Sequence[KVCache], context: Sequence[int], draft: Draft,
-                sampling: SamplingParams, accept: str) -> Verdict:
-    """One target pass over [last, d1..dK]; returns the accepted prefix plus one token.
+                sampling: SamplingParams, accept: str,
+                pending: mx.array | None = None) -> Verdict:
+    """One target pass over the drafts; returns the accepted prefix plus one token.
 
-    The caches gain K+1 rows; the caller trims them to the committed length.
+    With `pending` (logits for the next position, newest token already cached) the pass
+    covers [d1..dK]; without, it covers [last, d1..dK]. Either way the caches gain rows the
+    caller trims to the committed length.
     """
     t0 = len(context)
-    logits = forward(model, [context[-1], *draft.ids], caches)  # (K+1, V)
+    if pending is None:
+        logits = forward(model, [context[-1], *draft.ids], caches)  # (K+1, V)
+    else:
+        fresh = forward(model, draft.ids, caches)  # (K, V)
+        logits = mx.concatenate([pending[None], fresh], axis=0)  # (K+1, V)
     histories = None
     if sampling.repetition_penalty != 1.0:
         base = list(context)
@@ -59,6 +76,7 @@ def speculative_steps(
     model,
     caches: Sequence[KVCache],
     context: list[int],
+    logits: mx.array | None,
     sampling: SamplingParams,
     accept: str,
     drafters: Mapping[str, Drafter],
@@ -66,28 +84,46 @@ def speculative_steps(
 ) -> Iterator[RawStep]:
     """Draft-and-verify until the consumer stops iterating.
 
-    On entry and after every step the target caches hold exactly `context[:-1]`; the
-    newest committed token is fed by the next verify pass. `context` is appended to.
+    `logits` are the target's logits for the next position with every context token cached
+    (after a full prefill), or None when the caches hold `context[:-1]`. `context` is
+    appended to with every committed token.
     """
+    pending = logits
+    want_history = sampling.repetition_penalty != 1.0
     while True:
-        choice = policy.choose(context)
+        choice = policy.choose(context, pending is not None)
         drafter = drafters.get(choice.drafter) if choice.drafter else None
         t_start = time.perf_counter()
         draft = draft_step(drafter, choice, context, sampling, accept)
         t_drafted = time.perf_counter()
-        verdict = verify_step(model, caches, context, draft, sampling, accept)
+        if not draft.ids:
+            # a plain step, pipelined: queue the next pass before reading this token
+            if pending is None:
+                pending = forward(model, [context[-1]], caches)[-1]
+            _, tok, p = choose(pending[None], sampling, [len(context)],
+                               [context] if want_history else None)
+            pending = model(tok[None], cache=list(caches))[0, -1]
+            mx.async_eval(pending)
+            token, prob = int(tok.item()), float(p.item())
+            context.append(token)
+            t_end = time.perf_counter()
+            policy.update(choice, 0, 0, t_end - t_start, 1)
+            yield RawStep([token], [TokenKind.TARGET], [prob], verify_s=t_end - t_drafted,
+                          drafter="none")
+            continue
+        from_pending = pending is not None
+        verdict = verify_step(model, caches, context, draft, sampling, accept, pending)
+        pending = None
         n = verdict.n_accepted
-        committed = [*draft.ids[:n], verdict.token]
         trim_caches(caches, len(context) + n)
-        context.extend(committed)
-        if drafter is not None:
-            drafter.commit(context)
+        context.extend([*draft.ids[:n], verdict.token])
+        assert drafter is not None
+        drafter.commit(context)
         t_end = time.perf_counter()
-        policy.update(choice, len(draft), n)
-        ids = list(draft.ids) + [verdict.token]
-        kinds = step_kinds(len(draft), n)
-        probs: list[float | None] = [*verdict.draft_probs, verdict.token_prob]
-        yield RawStep(ids, kinds, probs, n_drafted=len(draft), n_accepted=n,
-                      draft_s=t_drafted - t_start, verify_s=t_end - t_drafted, k=choice.k,
-                      drafter=choice.drafter or "none")
-
+        # a pass that also waited for the pending one says nothing about width K+1
+        policy.update(choice, len(draft), n, None if from_pending else t_end - t_drafted,
+                      len(draft) + 1)
+        yield RawStep(list(draft.ids) + [verdict.token], step_kinds(len(draft), n),
+                      [*verdict.draft_probs, verdict.token_prob], n_drafted=len(draft),
+                      n_accepted=n, draft_s=t_drafted - t_start, verify_s=t_end - t_drafted,
+                      k=choice.k, drafter=choice.drafter or "none")

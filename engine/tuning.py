@@ -21,7 +21,11 @@ from engine.paths import cache_dir
 
 CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 K_MAX = 15
-PRIOR_ACCEPTANCE = {"model": 0.6, "ngram": 0.5, "layerskip": 0.3}
+PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
+                    # prompt lookup, by matched suffix length: longer matches copy better
+                    "ngram2": 0.3, "ngram3": 0.45, "ngram4": 0.6}
+DRAFT_MARGIN = 0.05
+COST_EMA = 0.2  # weight of a new timing in the running per-width cost
 PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
 
 
@@ -31,6 +35,11 @@ class CostModel:
 
     verify_s: dict[int, float]
     draft_s: dict[str, float] = field(default_factory=dict)
+
+    def observe(self, width: int, seconds: float) -> None:
+        """Fold a measured pass into the table, so costs follow the machine's load."""
+        old = self.verify_s.get(width)
+        self.verify_s[width] = seconds if old is None else old + COST_EMA * (seconds - old)
 
     def verify(self, width: int) -> float:
         """Seconds for one target pass over `width` tokens (linear between measurements)."""
@@ -53,13 +62,24 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX) -> tuple[int, float]:
-    """The K in [0, k_max] with the highest expected tokens/s, and that rate."""
-    best = (0, 1.0 / costs.verify(1))
+def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
+           pending: bool = False) -> tuple[int, float]:
+    """The K in [0, k_max] with the highest expected tokens/s, and that rate.
+
+    `pending`: the target's logits for the next position are already being computed (the
+    loop is in its plain, pipelined state). They check the first draft for free, so the
+    step's own pass has width K instead of K+1. Drafting must beat plain by DRAFT_MARGIN,
+    which covers the per-step work the pipelined plain path hides.
+    """
+    plain = 1.0 / costs.verify(1)
+    best = (0, plain)
     for k in range(1, k_max + 1):
-        rate = expected_tokens(alpha, k) / (k * draft_s + costs.verify(k + 1))
+        verify = costs.verify(k) if pending else costs.verify(k + 1)
+        rate = expected_tokens(alpha, k) / (k * draft_s + verify)
         if rate > best[1]:
             best = (k, rate)
+    if best[0] and best[1] < plain * (1.0 + DRAFT_MARGIN):
+        return 0, plain
     return best
 
 
@@ -155,10 +175,12 @@ def load_or_measure_costs(key: str, measure: Callable[[], CostModel]) -> CostMod
 
 @dataclass(frozen=True)
 class Choice:
-    """What to do in the next step: drafter name (None = plain step) and draft length."""
+    """What to do in the next step: drafter (None = plain step), draft length, and the
+    acceptance estimate it was chosen by."""
 
     drafter: str | None
     k: int
+    estimate: str | None = None
 
 
 class DraftPolicy:
@@ -166,40 +188,49 @@ class DraftPolicy:
 
     `mode` is a drafter name or "auto" (among `available`). `fixed_k` pins K. A drafter that
     keeps failing falls to K = 0, with a short probe every PROBE_EVERY steps so it can recover.
-    `ngram_match(context, k)` reports how many tokens prompt lookup could draft now.
+    `ngram_match(context, k)` reports how many tokens prompt lookup could draft now and the
+    length of the matched suffix; each length keeps its own acceptance estimate.
     """
 
     def __init__(self, mode: str, available: Sequence[str], costs: CostModel | None,
                  fixed_k: int | None = None,
-                 ngram_match: Callable[[Sequence[int], int], int] | None = None) -> None:
+                 ngram_match: Callable[[Sequence[int], int], tuple[int, int]] | None = None,
+                 ) -> None:
         self.mode = mode
         self.available = tuple(available)
         self.costs = costs
         self.fixed_k = fixed_k
         self.ngram_match = ngram_match
-        self.estimates = {d: AcceptanceEstimate(PRIOR_ACCEPTANCE.get(d, 0.5))
-                          for d in self.available}
+        self.estimates = {key: AcceptanceEstimate(prior)
+                          for key, prior in PRIOR_ACCEPTANCE.items()}
         self._idle = 0
 
     def _candidates(self) -> tuple[str, ...]:
         return self.available if self.mode == "auto" else (self.mode,)
 
-    def choose(self, context: Sequence[int]) -> Choice:
+    def _estimate_key(self, name: str, match_len: int) -> str:
+        return f"ngram{min(max(match_len, 2), 4)}" if name == "ngram" else name
+
+    def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
+        """The next step's drafter and K; `pending` as in `best_k`."""
         best = Choice(None, 0)
         best_rate = 0.0 if self.costs is None else 1.0 / self.costs.verify(1)
         for name in self._candidates():
             limit = self.fixed_k or K_MAX
+            match_len = 0
             if name == "ngram" and self.ngram_match is not None:
-                limit = self.ngram_match(context, limit)
+                limit, match_len = self.ngram_match(context, limit)
                 if limit == 0:
                     continue
+            key = self._estimate_key(name, match_len)
             if self.fixed_k is not None or self.costs is None:
                 k, rate = limit, float("inf") if self.fixed_k else 0.0
             else:
-                alpha = self.estimates[name].alpha
-                k, rate = best_k(alpha, self.costs.draft_s.get(name, 0.0), self.costs, limit)
+                estimate = self.estimates.setdefault(key, AcceptanceEstimate(0.5))
+                k, rate = best_k(estimate.alpha, self.costs.draft_s.get(name, 0.0),
+                                 self.costs, limit, pending)
             if k > 0 and rate > best_rate:
-                best, best_rate = Choice(name, k), rate
+                best, best_rate = Choice(name, k, key), rate
         if best.drafter is not None:
             self._idle = 0
             return best
@@ -207,9 +238,14 @@ class DraftPolicy:
         probe = next((d for d in self._candidates() if d != "ngram"), None)
         if probe is not None and self._idle >= PROBE_EVERY:
             self._idle = 0
-            return Choice(probe, 2)
+            return Choice(probe, 2, probe)
         return best
 
-    def update(self, choice: Choice, n_drafted: int, n_accepted: int) -> None:
-        if choice.drafter is not None:
-            self.estimates[choice.drafter].update(n_drafted, n_accepted)
+    def update(self, choice: Choice, n_drafted: int, n_accepted: int,
+               seconds: float | None = None, width: int | None = None) -> None:
+        """Record a step's outcome and, when given, the measured cost of its target pass."""
+        if choice.estimate is not None:
+            self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
+                n_drafted, n_accepted)
+        if seconds is not None and width and self.costs is not None and self.fixed_k is None:
+            self.costs.observe(width, seconds)

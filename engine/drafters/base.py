@@ -38,7 +38,7 @@ class Drafter(Protocol):
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
                 accept: str) -> Draft:
-        """Guess up to `k` tokens following `context` (its last id is not in any cache yet)."""
+        """Guess up to `k` tokens following `context` (the whole committed sequence)."""
         ...
 
     def commit(self, context: Sequence[int]) -> None:

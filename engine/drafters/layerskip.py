@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.cache import KVCache, trim_caches
+from engine.cache import KVCache, cache_length, trim_caches
 from engine.drafters.base import Draft
 from engine.drafters.model import ModelDrafter
 from engine.sampling import SamplingParams
@@ -30,12 +30,16 @@ class LayerSkipDrafter:
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
                 accept: str) -> Draft:
-        start = len(context) - 1
-        # the target's caches hold exactly context[:-1]: tell the inner drafter so
+        """Draft through the first layers, then put the target's caches back as they were.
+
+        The caches hold `context` or `context[:-1]`; drafting starts from `context[:-1]`
+        (re-feeding the newest token yields the very rows the target wrote for it).
+        """
+        held = cache_length(self._caches)
+        trim_caches(self._caches, len(context) - 1)
         self._inner.cached_ids = list(context[:-1])
         draft = self._inner.propose(context, k, sampling, accept)
-        trim_caches(self._caches, start)
-        self._inner.cached_ids = list(context[:-1])
+        trim_caches(self._caches, held)
         return draft
 
     def commit(self, context: Sequence[int]) -> None:

@@ -29,10 +29,14 @@ class NgramDrafter:
 
     def match(self, context: Sequence[int], k: int) -> tuple[int, ...]:
         """The tokens following the best earlier match of a suffix, at most `k` of them."""
+        return self.match_with_length(context, k)[0]
+
+    def match_with_length(self, context: Sequence[int], k: int) -> tuple[tuple[int, ...], int]:
+        """Like `match`, plus the length of the matched suffix (0 when nothing matched)."""
         k = min(k, self.max_draft)
         n_ctx = len(context)
         if k <= 0 or n_ctx < self.min_n + 1:
-            return ()
+            return (), 0
         ctx = list(context)
         for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
             suffix = ctx[n_ctx - n :]
@@ -47,9 +51,9 @@ class NgramDrafter:
                 if ctx[i : i + n] == suffix:
                     follow = ctx[i + n : i + n + k]
                     if follow:
-                        return tuple(follow)
+                        return tuple(follow), n
                 i -= 1
-        return ()
+        return (), 0
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
                 accept: str) -> Draft:

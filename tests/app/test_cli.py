@@ -1,0 +1,293 @@
+"""`understudy generate | chat | import-gguf`: output shapes, flags, errors, the launcher.
+
+Most tests call `app.cli.main` in-process (fast); the ones about what a user sees from a
+real process — one-line errors without a traceback, the interactive chat over stdin, the
+OpenBLAS re-exec — run `python -m app.cli` in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from engine.tokenizer import Tokenizer
+from tests.engine.test_decode import CHAIN_TEXT, write_chain_model
+from tests.fixtures.tiny_models import write_tiny_model
+
+REPO = Path(__file__).resolve().parents[2]
+STATS_KEYS = {
+    "prompt_tokens", "prefilled_tokens", "generated_tokens", "prompt_tps", "decode_tps",
+    "target_passes", "tau", "acceptance", "drafted", "accepted", "draft_s", "verify_s",
+    "prompt_s", "decode_s", "peak_memory_bytes", "finish_reason",
+}
+PRIME = "Write a Python function that checks if a number is prime."
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("cli") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Greedy reply to any prompt: CHAIN_TEXT, then eos."""
+    return write_chain_model(tmp_path_factory.mktemp("cli") / "chain")
+
+
+def gen_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:
+    assert main(["generate", *argv, "--json"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1  # exactly one JSON line
+    return json.loads(out)
+
+
+def cli(*argv: str, data_dir: Path, stdin: str | None = None,
+        env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    run_env = {**os.environ, "UNDERSTUDY_DATA_DIR": str(data_dir), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "app.cli", *argv], cwd=REPO, env=run_env,
+                          input=stdin, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+# -------------------------------------------------------------------------- generate
+
+
+def test_generate_streams_text(chain: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", str(chain), "--prompt", "Hi"]) == 0
+    out, err = capsys.readouterr()
+    assert out == CHAIN_TEXT + "\n"
+    assert "12 tokens" in err and "eos" in err
+
+
+def test_generate_json_shape(chain: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = gen_json(capsys, "--model", str(chain), "--prompt", "Hi")
+    assert set(result) == {"text", "tokens", "stats"}
+    assert set(result["stats"]) == STATS_KEYS
+    assert result["text"] == CHAIN_TEXT == "".join(t["text"] for t in result["tokens"])
+    ids = Tokenizer.from_folder(chain).encode(CHAIN_TEXT)
+    assert [t["id"] for t in result["tokens"]] == ids
+    assert {t["kind"] for t in result["tokens"]} == {"target"}
+    stats = result["stats"]
+    assert stats["generated_tokens"] == len(ids) and stats["finish_reason"] == "eos"
+    assert stats["prompt_tps"] > 0 and stats["decode_tps"] > 0 and stats["tau"] > 0
+    assert stats["acceptance"] == 0 and stats["target_passes"] >= len(ids)
+
+
+def test_messages_file_and_system(chain: Path, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    tok = Tokenizer.from_folder(chain)
+    convo = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi!"},
+             {"role": "user", "content": "Tell me more about the fox."}]
+    file = tmp_path / "messages.json"
+    file.write_text(json.dumps(convo))
+
+    result = gen_json(capsys, "--model", str(chain), "--messages", str(file))
+    assert result["stats"]["prompt_tokens"] == len(tok.encode_chat(convo))
+    assert result["text"] == CHAIN_TEXT
+
+    system = {"role": "system", "content": "You are terse."}
+    result = gen_json(capsys, "--model", str(chain), "--messages", str(file),
+                      "--system", system["content"])
+    assert result["stats"]["prompt_tokens"] == len(tok.encode_chat([system, *convo]))
+
+    result = gen_json(capsys, "--model", str(chain), "--prompt", "Hello",
+                      "--system", system["content"])
+    assert result["stats"]["prompt_tokens"] == len(
+        tok.encode_chat([system, {"role": "user", "content": "Hello"}]))
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [("not json", "not valid JSON"), ('{"role": "user"}', "list of {role, content}"),
+     ('[{"role": "user", "content": 3}]', "list of {role, content}")],
+)
+def test_bad_messages_file(chain: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                           content: str, needle: str) -> None:
+    file = tmp_path / "m.json"
+    file.write_text(content)
+    assert main(["generate", "--model", str(chain), "--messages", str(file)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {file}") and needle in err and err.count("\n") == 1
+
+
+def test_sampling_flags_reach_the_sampler(tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def ids(*flags: str) -> list[int]:
+        out = gen_json(capsys, "--model", str(tiny), "--prompt", "Hello world", "--max-tokens",
+                       "10", *flags)
+        assert out["stats"]["generated_tokens"] == len(out["tokens"])
+        return [t["id"] for t in out["tokens"]]
+
+    greedy = ids()
+    assert len(greedy) == 10  # --max-tokens
+    hot = ["--temperature", "1"]
+    assert ids(*hot, "--seed", "1") == ids(*hot, "--seed", "1")
+    assert len({tuple(ids(*hot, "--seed", str(s))) for s in (1, 2, 3)}) > 1
+    # each filter alone cut down to the single most likely token gives back greedy text
+    assert ids(*hot, "--seed", "1", "--top-k", "1") == greedy
+    assert ids(*hot, "--seed", "1", "--top-p", "0.0001") == greedy
+    assert ids(*hot, "--seed", "1", "--min-p", "1") == greedy
+    assert ids("--max-tokens", "3") == greedy[:3]
+
+
+def test_stop_flag(chain: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = gen_json(capsys, "--model", str(chain), "--prompt", "Hi", "--stop", "fox")
+    assert result["text"] == "Hé🦊 " and result["stats"]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [(["--max-tokens", "0"], "max_tokens"), (["--temperature", "-1"], "temperature"),
+     (["--top-p", "0"], "top_p"), (["--k", "many"], "--k"), ([], "--prompt")],
+)
+def test_bad_flags_are_one_line_errors(chain: Path, capsys: pytest.CaptureFixture[str],
+                                       flags: list[str], needle: str) -> None:
+    prompt = ["--prompt", "Hi"] if flags else []
+    assert main(["generate", "--model", str(chain), *prompt, *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_import_gguf_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["import-gguf", str(tmp_path / "nope.gguf"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "nope.gguf" in err and err.count("\n") == 1
+
+
+def test_unwritable_import_destination(demo_gguf_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["import-gguf", str(demo_gguf_path), "/proc/no/such/dir"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "/proc/no" in err and err.count("\n") == 1
+
+
+# ------------------------------------------------------------------ real processes
+
+
+def test_nonexistent_model_is_one_line(tmp_path: Path) -> None:
+    proc = cli("generate", "--model", "/nonexistent", "--prompt", "Hi", data_dir=tmp_path)
+    assert_one_line_error(proc, "/nonexistent")
+    assert proc.stdout == ""
+
+
+def test_corrupt_config_is_one_line(tiny: Path, tmp_path: Path) -> None:
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in tiny.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    proc = cli("generate", "--model", str(broken), "--prompt", "Hi", data_dir=tmp_path)
+    assert_one_line_error(proc, "config.json", "invalid JSON")
+
+
+def test_closed_stdout_is_not_a_traceback(tiny: Path, tmp_path: Path) -> None:
+    """`understudy generate ... | head`: the reader goes away; exit quietly (141, as a shell
+    reports SIGPIPE) instead of printing a BrokenPipeError traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "generate", "--model", str(tiny), "--prompt", "Hi"],
+        cwd=REPO, env={**os.environ, "UNDERSTUDY_DATA_DIR": str(tmp_path)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.close()  # before the first token is written
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 141 and err == b"", err
+
+
+def test_chat_keeps_the_conversation(tiny: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Two turns over stdin, then an empty line quits (EOF quits too: see the launcher
+    test). The second answer is the one `generate` gives for the whole conversation."""
+    turns = ["Hello there", "And again?"]
+    proc = cli("chat", "--model", str(tiny), "--max-tokens", "6", data_dir=tmp_path,
+               stdin="\n".join([*turns, "", "never read", ""]))
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len([ln for ln in proc.stderr.splitlines() if ln.startswith("[6 tokens")]) == 2
+    prompts = proc.stdout.split("you> ")
+    assert prompts[0] == "" and prompts[-1] == ""  # the third prompt got the empty line
+    answers = prompts[1:-1]
+    assert len(answers) == 2 and all(a.startswith("assistant> ") for a in answers)
+    answers = [a.removeprefix("assistant> ").removesuffix("\n") for a in answers]
+
+    convo: list[dict[str, str]] = []
+    for turn, answer in zip(turns, answers, strict=True):
+        convo.append({"role": "user", "content": turn})
+        file = tmp_path / f"convo{len(convo)}.json"
+        file.write_text(json.dumps(convo))
+        expected = gen_json(capsys, "--model", str(tiny), "--messages", str(file),
+                            "--max-tokens", "6")["text"]
+        assert answer == expected
+        convo.append({"role": "assistant", "content": answer})
+
+
+def _maps_once_mlx_is_loaded(proc: subprocess.Popen, deadline: float) -> str:
+    """/proc/<pid>/maps as soon as libmlx is mapped (so any re-exec has happened);
+    "" if that never happens."""
+    maps = Path(f"/proc/{proc.pid}/maps")
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = maps.read_text()
+        if "libmlx" in text:
+            return text
+        time.sleep(0.05)
+    return ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="OpenBLAS re-exec is Linux-only")
+@pytest.mark.parametrize("no_reexec", [False, True])
+def test_launcher_preloads_openblas(chain: Path, tmp_path: Path, no_reexec: bool) -> None:
+    """Started without LD_PRELOAD, the CLI re-execs itself once with OpenBLAS preloaded
+    (same pid); UNDERSTUDY_NO_REEXEC=1 turns that off (the negative control)."""
+    from app.launcher import openblas_path
+
+    if openblas_path() is None:
+        pytest.skip("system OpenBLAS (libopenblas0-pthread) is not installed")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "UNDERSTUDY_NO_REEXEC")}
+    env["UNDERSTUDY_DATA_DIR"] = str(tmp_path)
+    if no_reexec:
+        env["UNDERSTUDY_NO_REEXEC"] = "1"
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "chat", "--model", str(chain)],
+                            cwd=REPO, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        maps = _maps_once_mlx_is_loaded(proc, time.monotonic() + 60)
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+    finally:
+        _, err = proc.communicate(b"", timeout=60)  # EOF at the prompt: chat exits
+    assert proc.returncode == 0, err
+    assert "libmlx" in maps, f"the CLI never loaded MLX: {err!r}"
+    assert ("libopenblas" in maps) is not no_reexec
+    preload = [e for e in environ if e.startswith(b"LD_PRELOAD=")]
+    if no_reexec:
+        assert preload == []
+    else:  # the environment of the re-executed image, set by the launcher
+        assert len(preload) == 1 and b"libopenblas" in preload[0]
+        assert b"UNDERSTUDY_NO_REEXEC=1" in environ
+
+
+@pytest.mark.slow
+def test_import_gguf_then_generate(demo_gguf_path: Path, tmp_path: Path) -> None:
+    dest = tmp_path / "smollm2"
+    proc = cli("import-gguf", str(demo_gguf_path), str(dest), data_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"-> {dest}" in proc.stdout and (dest / "config.json").is_file()
+    proc = cli("generate", "--model", str(dest), "--prompt", PRIME, "--max-tokens", "12",
+               "--json", data_dir=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["text"].startswith("```python\ndef is_prime(")
+    assert result["stats"]["generated_tokens"] == 12
