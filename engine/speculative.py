@@ -98,6 +98,7 @@ def speculative_steps(
         t_drafted = time.perf_counter()
         if not draft.ids:
             # a plain step, pipelined: queue the next pass before reading this token
+            from_pending = pending is not None
             if pending is None:
                 pending = forward(model, [context[-1]], caches)[-1]
             _, tok, p = choose(pending[None], sampling, [len(context)],
@@ -107,7 +108,9 @@ def speculative_steps(
             token, prob = int(tok.item()), float(p.item())
             context.append(token)
             t_end = time.perf_counter()
-            policy.update(choice, 0, 0, t_end - t_start, 1)
+            # only a step that found its logits pending shows the steady plain cost
+            plain_s = t_end - t_start if from_pending else None
+            policy.update(choice, 0, 0, plain_s, 1, plain_s, 1)
             yield RawStep([token], [TokenKind.TARGET], [prob], verify_s=t_end - t_drafted,
                           drafter="none")
             continue
@@ -122,7 +125,7 @@ def speculative_steps(
         t_end = time.perf_counter()
         # a pass that also waited for the pending one says nothing about width K+1
         policy.update(choice, len(draft), n, None if from_pending else t_end - t_drafted,
-                      len(draft) + 1)
+                      len(draft) + 1, t_end - t_start, n + 1)
         yield RawStep(list(draft.ids) + [verdict.token], step_kinds(len(draft), n),
                       [*verdict.draft_probs, verdict.token_prob], n_drafted=len(draft),
                       n_accepted=n, draft_s=t_drafted - t_start, verify_s=t_end - t_drafted,

@@ -27,6 +27,8 @@ PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
 DRAFT_MARGIN = 0.05
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
 PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
+GUARD_MIN_STEPS = 4  # steps of a drafter before its realized speed can bench it
+GUARD_RETRY = 48  # steps after which a benched drafter gets another chance
 
 
 @dataclass
@@ -42,8 +44,13 @@ class CostModel:
         self.verify_s[width] = seconds if old is None else old + COST_EMA * (seconds - old)
 
     def verify(self, width: int) -> float:
-        """Seconds for one target pass over `width` tokens (linear between measurements)."""
-        pts = sorted(self.verify_s.items())
+        """Seconds for one target pass over `width` tokens (linear between measurements).
+
+        Never less for a wider pass: noisy timings must not make drafting look free.
+        """
+        pts = []
+        for w, sec in sorted(self.verify_s.items()):
+            pts.append((w, max(sec, pts[-1][1]) if pts else sec))
         if width <= pts[0][0]:
             return pts[0][1]
         for (w0, s0), (w1, s1) in zip(pts, pts[1:], strict=False):
@@ -103,6 +110,22 @@ class AcceptanceEstimate:
             return
         self.accepted = self.accepted * self.decay + n_accepted
         self.rejected = self.rejected * self.decay + (1.0 if n_accepted < n_drafted else 0.0)
+
+
+@dataclass
+class RealizedSpeed:
+    """Running seconds per committed token of one kind of step, as actually measured."""
+
+    seconds_per_token: float = 0.0
+    steps: int = 0
+
+    def add(self, seconds: float, n_tokens: int) -> None:
+        value = seconds / n_tokens
+        self.steps += 1
+        if self.steps == 1:
+            self.seconds_per_token = value
+        else:
+            self.seconds_per_token += COST_EMA * (value - self.seconds_per_token)
 
 
 def _time(fn: Callable[[], object], reps: int) -> float:
@@ -203,7 +226,32 @@ class DraftPolicy:
         self.ngram_match = ngram_match
         self.estimates = {key: AcceptanceEstimate(prior)
                           for key, prior in PRIOR_ACCEPTANCE.items()}
+        self.realized: dict[str, RealizedSpeed] = {}
         self._idle = 0
+        self._steps = 0
+        self._benched: dict[str, int] = {}  # drafter -> step it was benched at
+
+    def _is_benched(self, name: str) -> bool:
+        """A drafter whose real seconds per token lose to plain steps sits out a while.
+
+        The cost model cannot see everything (Python overhead, cache catch-up, a busy
+        machine); this guard judges by what the steps actually took.
+        """
+        if self.fixed_k is not None:
+            return False
+        since = self._benched.get(name)
+        if since is not None:
+            if self._steps - since < GUARD_RETRY:
+                return True
+            del self._benched[name]
+            self.realized.pop(name, None)
+        mine, plain = self.realized.get(name), self.realized.get("none")
+        if mine is None or plain is None or mine.steps < GUARD_MIN_STEPS or plain.steps < 2:
+            return False
+        if mine.seconds_per_token > plain.seconds_per_token:
+            self._benched[name] = self._steps
+            return True
+        return False
 
     def _candidates(self) -> tuple[str, ...]:
         return self.available if self.mode == "auto" else (self.mode,)
@@ -215,7 +263,10 @@ class DraftPolicy:
         """The next step's drafter and K; `pending` as in `best_k`."""
         best = Choice(None, 0)
         best_rate = 0.0 if self.costs is None else 1.0 / self.costs.verify(1)
+        self._steps += 1
         for name in self._candidates():
+            if self._is_benched(name):
+                continue
             limit = self.fixed_k or K_MAX
             match_len = 0
             if name == "ngram" and self.ngram_match is not None:
@@ -235,15 +286,21 @@ class DraftPolicy:
             self._idle = 0
             return best
         self._idle += 1
-        probe = next((d for d in self._candidates() if d != "ngram"), None)
+        probe = next((d for d in self._candidates()
+                      if d != "ngram" and not self._is_benched(d)), None)
         if probe is not None and self._idle >= PROBE_EVERY:
             self._idle = 0
             return Choice(probe, 2, probe)
         return best
 
     def update(self, choice: Choice, n_drafted: int, n_accepted: int,
-               seconds: float | None = None, width: int | None = None) -> None:
-        """Record a step's outcome and, when given, the measured cost of its target pass."""
+               seconds: float | None = None, width: int | None = None,
+               step_seconds: float | None = None, n_tokens: int = 0) -> None:
+        """Record a step's outcome: acceptance, the measured cost of its target pass (when it
+        says something about that width) and the whole step's seconds per committed token."""
+        if step_seconds is not None and n_tokens:
+            arm = choice.drafter or "none"
+            self.realized.setdefault(arm, RealizedSpeed()).add(step_seconds, n_tokens)
         if choice.estimate is not None:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)
