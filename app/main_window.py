@@ -1,14 +1,19 @@
 """The main window: conversations | chat (or comparison) + composer | gauge + settings.
 
 It assembles the views around one `ChatController`, owns the menu bar (native on macOS:
-⌘N new chat, ⌘W close, ⌘, settings, ⌘. stop), shows engine errors in a dismissable banner,
-and keeps window geometry, splitter sizes, view toggles and chat settings in QSettings.
+⌘N new chat, ⌘W close, ⌘, settings, ⌘. stop, ⌘⇧M models), shows engine errors in a
+dismissable banner, and keeps window geometry, splitter sizes, view toggles and chat
+settings in QSettings. The model manager (`ModelsController`, its panel and the Hugging
+Face settings) is built on first use, so a window that never opens it never touches the
+keychain or the network.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from PySide6.QtCore import QByteArray, QSettings, Qt
 from PySide6.QtGui import QAction, QCloseEvent, QKeySequence
@@ -39,6 +44,12 @@ from app.store import Message
 from app.token_render import conversation_markdown
 from app.worker import ChatSettings, ModelInfo
 from engine.events import Stats, Step
+
+if TYPE_CHECKING:
+    from app.library import LocalModel
+    from app.models_controller import ModelsController
+    from app.models_panel import ModelsPanel
+    from app.preferences import PreferencesDialog
 
 
 class ErrorBanner(QFrame):
@@ -102,6 +113,9 @@ class MainWindow(QMainWindow):
         self.gauge = GaugeWidget("Speed")
         self.settings_panel = SettingsPanel(controller)
         self.banner = ErrorBanner()
+        self._models_controller: ModelsController | None = None
+        self._models_panel: ModelsPanel | None = None
+        self._preferences: PreferencesDialog | None = None
 
         self.title_label = QLabel("New chat")
         self.title_label.setObjectName("chatTitle")
@@ -163,6 +177,7 @@ class MainWindow(QMainWindow):
         self.composer.edit_submitted.connect(self._on_edit_submitted)
         self.chat_view.edit_requested.connect(self.composer.begin_edit)
         self.sidebar.export_requested.connect(self.export_conversation)
+        self.settings_panel.models_requested.connect(self.show_models)
         controller.error_raised.connect(self.banner.show_message)
         controller.model_loading.connect(self._on_model_loading)
         controller.model_loaded.connect(self._on_model_loaded)
@@ -193,6 +208,9 @@ class MainWindow(QMainWindow):
         file_menu.addAction(self._action("Export Chat as Markdown…",
                                          lambda: self.export_conversation(), "Ctrl+Shift+E"))
         file_menu.addSeparator()
+        self.models_action = self._action("Models…", self.show_models, "Ctrl+Shift+M")
+        file_menu.addAction(self.models_action)
+        file_menu.addSeparator()
         file_menu.addAction(self._action("Close Window", self.close, "Ctrl+W"))
         quit_action = self._action("Quit Understudy", self.close, QKeySequence.StandardKey.Quit)
         quit_action.setMenuRole(QAction.MenuRole.QuitRole)
@@ -202,6 +220,8 @@ class MainWindow(QMainWindow):
         self.settings_action = self._action("Settings…", self.show_settings, "Ctrl+,")
         self.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
         edit_menu.addAction(self.settings_action)
+        self.hub_settings_action = self._action("Hugging Face Token…", self.show_hub_settings)
+        edit_menu.addAction(self.hub_settings_action)
 
         view_menu = bar.addMenu("&View")
         self.speculation_action = self._action("Show Speculation", self.chat_view.set_show_speculation,
@@ -249,6 +269,70 @@ class MainWindow(QMainWindow):
         self.panel_action.setChecked(True)
         self.side_panel.ensureWidgetVisible(self.settings_panel)
         self.settings_panel.temperature.setFocus()
+
+    # -- model manager -------------------------------------------------------------------
+    @property
+    def models_controller(self) -> ModelsController:
+        """The model manager's logic, made on first use (it reads the keychain lazily too)."""
+        if self._models_controller is None:
+            from app.models_controller import ModelsController
+
+            mc = ModelsController(self.qsettings, mlx_thread=self.controller.host.thread,
+                                  parent=self)
+            mc.library_changed.connect(self._on_library_changed)
+            mc.model_deleted.connect(self._on_model_deleted)
+            self._models_controller = mc
+        return self._models_controller
+
+    def show_models(self) -> ModelsPanel:
+        """Open (or raise) the Models panel."""
+        if self._models_panel is None:
+            from app.models_panel import ModelsPanel
+
+            self._models_panel = ModelsPanel(self.models_controller, self,
+                                             in_use=self._model_in_use)
+            self._models_panel.hub_settings_requested.connect(self.show_hub_settings)
+        self._models_panel.show()
+        self._models_panel.raise_()
+        self._models_panel.activateWindow()
+        return self._models_panel
+
+    def show_hub_settings(self) -> PreferencesDialog:
+        """Open the Hugging Face settings (token, offline mode)."""
+        if self._preferences is None:
+            from app.preferences import PreferencesDialog
+
+            self._preferences = PreferencesDialog(self.models_controller, self)
+        self._preferences.show()
+        self._preferences.raise_()
+        self._preferences.activateWindow()
+        return self._preferences
+
+    def _model_specs(self, model: LocalModel) -> set[str]:
+        from engine.paths import models_dir
+
+        specs = {model.name}
+        if model.path is not None:
+            specs.add(str(model.path))
+        if model.kind == "imported":
+            specs.add(str(models_dir() / model.name))
+        return specs
+
+    def _model_in_use(self, model: LocalModel) -> str | None:
+        if self.controller.settings.target in self._model_specs(model):
+            return (f"{model.name} is the current target model. Pick another target in the "
+                    "side panel before deleting it.")
+        return None
+
+    def _on_library_changed(self, _library: object) -> None:
+        self.settings_panel.refresh_models()
+
+    def _on_model_deleted(self, name: str, _freed: int) -> None:
+        from engine.paths import models_dir
+
+        draft = self.controller.settings.draft
+        if draft in (name, str(models_dir() / name)):
+            self.controller.set_settings(replace(self.controller.settings, draft=None))
 
     def regenerate_last(self) -> None:
         replies = [m for m in self.controller.messages() if m.role == "assistant"]
@@ -378,6 +462,8 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_state()
+        if self._models_controller is not None:
+            self._models_controller.shutdown()
         self.controller.close()
         super().closeEvent(event)
 

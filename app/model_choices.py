@@ -2,16 +2,17 @@
 
 Reads folders only (config.json, tokenizer.json): no MLX, so the GUI thread may call it.
 A draft must share the target's tokenizer exactly, since draft token ids are checked by
-the target as its own ids; a pairing that fails says why, for the hover text.
+the target as its own ids; `engine.compat` decides, and a pairing that fails says why,
+for the hover text.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from engine.compat import Compatibility, check_draft_compatible
 from engine.paths import models_dir
 
 DEMO_SPEC = "demo"
@@ -53,60 +54,60 @@ def available_models(extra: tuple[str, ...] = ()) -> list[ModelChoice]:
 
 
 def _hf_cached_models() -> list[tuple[str, Path]]:
-    """(repo id, snapshot folder) for cached model repos that have a config.json."""
-    try:
-        from engine.loading import hf_hub_cache
+    """(repo id, snapshot folder) for cached repos whose download is complete.
 
-        cache = hf_hub_cache()
+    A partial download (cancelled, killed, or only its config fetched for the details view)
+    has a snapshot folder too; `snapshot_status` is the one judge of "ready", so the
+    pickers never offer a model the loader would refuse.
+    """
+    from app.hub import hf_cache_dir
+    from app.hub_download import snapshot_status
+
+    try:
+        cache = hf_cache_dir()
     except Exception:  # noqa: BLE001 - no cache is simply no models
         return []
     out = []
     if not cache.is_dir():
         return out
     for repo_dir in sorted(cache.glob("models--*")):
-        snaps = [s for s in (repo_dir / "snapshots").glob("*") if _has_config(s)]
-        if snaps:
-            repo_id = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
-            out.append((repo_id, max(snaps, key=lambda s: s.stat().st_mtime)))
+        repo_id = repo_dir.name.removeprefix("models--").replace("--", "/", 1)
+        status = snapshot_status(repo_id, cache)
+        if status.ready and status.path is not None and _has_config(status.path):
+            out.append((repo_id, status.path))
     return out
 
 
-@lru_cache(maxsize=64)
-def _vocab(folder: Path, mtime: float) -> tuple[frozenset[tuple[str, int]], int] | None:
-    path = folder / "tokenizer.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    vocab = dict(data.get("model", {}).get("vocab", {}) or {})
-    for added in data.get("added_tokens", []) or []:
-        vocab[added["content"]] = added["id"]
-    return frozenset(vocab.items()), len(vocab)
+def _stamp(folder: Path) -> tuple[float, ...]:
+    """Modification times of the files a tokenizer comparison reads (cache key)."""
+    out = []
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json",
+                 "generation_config.json"):
+        try:
+            out.append((folder / name).stat().st_mtime)
+        except OSError:
+            out.append(-1.0)
+    return tuple(out)
 
 
-def _vocab_of(folder: Path):
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        return None
-    return _vocab(folder, path.stat().st_mtime)
+@lru_cache(maxsize=256)
+def _compatibility(target: Path, target_stamp: tuple[float, ...], draft: Path,
+                   draft_stamp: tuple[float, ...]) -> Compatibility:
+    return check_draft_compatible(target, draft)
 
 
 def draft_incompatibility(target: Path | None, draft: ModelChoice) -> str | None:
-    """Why `draft` cannot draft for the model in `target`, or None when it can."""
+    """Why `draft` cannot draft for the model in `target`, or None when it can.
+
+    The tokenizer comparison is `engine.compat.check_draft_compatible` (cached per file
+    modification times, since the picker asks again on every refresh).
+    """
     if draft.path is None:
         return "not imported yet: load it once as the target first"
     if target is None:
         return "load a target model first"
     if draft.path.resolve() == target.resolve():
         return "this is the target model itself: a draft must be a smaller, faster model"
-    v_tgt, v_dft = _vocab_of(target), _vocab_of(draft.path)
-    if v_dft is None:
-        return f"no readable tokenizer.json in {draft.path}"
-    if v_tgt is None:
-        return f"no readable tokenizer.json in the target folder {target}"
-    if v_tgt[0] != v_dft[0]:
-        if v_tgt[1] != v_dft[1]:
-            return (f"its tokenizer differs from the target's ({v_dft[1]} tokens vs "
-                    f"{v_tgt[1]}): draft tokens would mean different text")
-        return "its tokenizer has the same size as the target's but different tokens"
-    return None
+    t, d = target.resolve(), draft.path.resolve()
+    verdict = _compatibility(t, _stamp(t), d, _stamp(d))
+    return None if verdict.ok else "; ".join(verdict.reasons)

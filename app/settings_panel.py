@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QStandardItem, QStandardItemModel
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -19,6 +19,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QPlainTextEdit,
+    QPushButton,
     QSpinBox,
     QVBoxLayout,
     QWidget,
@@ -43,6 +44,8 @@ NO_DRAFT = "(no draft model)"
 
 
 class SettingsPanel(QWidget):
+    models_requested = Signal()  # "Models…": open the model manager
+
     def __init__(self, controller: ChatController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.controller = controller
@@ -83,6 +86,9 @@ class SettingsPanel(QWidget):
         self.model_status = QLabel("")
         self.model_status.setObjectName("modelStatus")
         self.model_status.setWordWrap(True)
+        self.models_button = QPushButton("Models…")
+        self.models_button.setToolTip("Search, download, import and delete models (Ctrl+Shift+M)")
+        self.models_button.clicked.connect(self.models_requested)
 
         for combo in (self.target_combo, self.draft_combo, self.drafter_combo, self.accept_combo):
             # Long model names must not widen the panel; the full name is in the tooltip.
@@ -96,6 +102,7 @@ class SettingsPanel(QWidget):
         form.setFieldGrowthPolicy(QFormLayout.FieldGrowthPolicy.AllNonFixedFieldsGrow)
         form.addRow("Target", self.target_combo)
         form.addRow("", self.model_status)
+        form.addRow("", self.models_button)
         form.addRow("Drafter", self.drafter_combo)
         form.addRow("Draft model", self.draft_combo)
         form.addRow("K", k_row)
@@ -196,6 +203,15 @@ class SettingsPanel(QWidget):
                 item.setToolTip(str(choice.path))
             self.draft_model.appendRow(item)
         _select(self.draft_combo, current)
+
+    def refresh_models(self) -> None:
+        """Re-read the model lists (after a download, import or delete), keeping the choice."""
+        self._updating = True
+        try:
+            self._fill_targets(self.controller.settings.target)
+            self._fill_drafts(self.controller.settings.draft)
+        finally:
+            self._updating = False
 
     def draft_reason(self, spec: str) -> str | None:
         """The hover text of a draft entry, or None when it is selectable."""
