@@ -47,10 +47,14 @@ def verify_step(model, caches: Sequence[KVCache], context: Sequence[int], draft:
     caller trims to the committed length.
     """
     t0 = len(context)
+    # A draft model with a padded embedding may propose ids the target has no row for:
+    # feed a stand-in (such a draft is always rejected, so later rows are never used).
+    vocab = model.args.vocab_size
+    fed = [t if t < vocab else 0 for t in draft.ids]
     if pending is None:
-        logits = forward(model, [context[-1], *draft.ids], caches)  # (K+1, V)
+        logits = forward(model, [context[-1], *fed], caches)  # (K+1, V)
     else:
-        fresh = forward(model, draft.ids, caches)  # (K, V)
+        fresh = forward(model, fed, caches)  # (K, V)
         logits = mx.concatenate([pending[None], fresh], axis=0)  # (K+1, V)
     histories = None
     if sampling.repetition_penalty != 1.0:

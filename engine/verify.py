@@ -52,10 +52,24 @@ class Verdict:
 
 
 def _draft_probs(logp_tgt: mx.array, draft_ids: Sequence[int]) -> mx.array:
-    """p_i(d_{i+1}) for every draft (K,)."""
+    """p_i(d_{i+1}) for every draft (K,); 0 for ids outside the target's vocabulary.
+
+    A draft model with a padded (larger) embedding can propose such ids; they are never
+    gathered out of bounds.
+    """
     K = len(draft_ids)
-    idx = mx.array(list(draft_ids), dtype=mx.int32)[:, None]
-    return mx.exp(mx.take_along_axis(logp_tgt[:K], idx, axis=-1)[:, 0])
+    V = logp_tgt.shape[-1]
+    idx = mx.array(list(draft_ids), dtype=mx.int32)
+    inside = idx < V
+    safe = mx.where(inside, idx, 0)[:, None]
+    return mx.where(inside, mx.exp(mx.take_along_axis(logp_tgt[:K], safe, axis=-1)[:, 0]), 0.0)
+
+
+def _pad_columns(x: mx.array, width: int) -> mx.array:
+    """Zero columns appended up to `width` (probabilities of tokens a side cannot emit)."""
+    if x.shape[-1] >= width:
+        return x
+    return mx.concatenate([x, mx.zeros((x.shape[0], width - x.shape[-1]), x.dtype)], axis=-1)
 
 
 def verify_coupled(logp_tgt: mx.array, draft_ids: Sequence[int], seed: int, t0: int) -> Verdict:
@@ -91,15 +105,19 @@ def verify_rejection(
     target distribution exactly; returns the accepted prefix plus one token (length >= 1).
     """
     K = len(draft_ids)
-    V = logp_tgt.shape[-1]
-    p = mx.exp(logp_tgt)  # (K+1, V)
+    # Target and draft vocabularies may differ by padding: work in the wider one, with
+    # p = 0 where the target has no token (such drafts are always rejected) and q = 0 where
+    # the draft has none. The residual then never puts mass outside the target's tokens.
+    width = max(logp_tgt.shape[-1], max(draft_ids, default=-1) + 1,
+                logq.shape[-1] if logq is not None else 0)
+    p = _pad_columns(mx.exp(logp_tgt), width)  # (K+1, W)
     idx = mx.array(list(draft_ids), dtype=mx.int32)
     if logq is None:
-        q = mx.zeros((K, V), dtype=mx.float32)
+        q = mx.zeros((K, width), dtype=mx.float32)
         if K:
             q = mx.put_along_axis(q, idx[:, None], mx.ones((K, 1), dtype=mx.float32), axis=-1)
     else:
-        q = mx.exp(logq.astype(mx.float32))
+        q = _pad_columns(mx.exp(logq.astype(mx.float32)), width)
     key_u, key_r = mx.random.split(accept_key(seed, t0, K))
     if K:
         p_d = mx.take_along_axis(p[:K], idx[:, None], axis=-1)[:, 0]
@@ -107,8 +125,8 @@ def verify_rejection(
         ratio = mx.where(q_d > 0, p_d / mx.maximum(q_d, 1e-30), 0.0)
         u = mx.random.uniform(shape=(K,), key=key_u)
         accepted = u < mx.minimum(ratio, 1.0)
-        residual = residual_distribution(p[:K], q)  # (K, V)
-        rows = mx.concatenate([residual, p[K:]], axis=0)  # (K+1, V)
+        residual = residual_distribution(p[:K], q)  # (K, W)
+        rows = mx.concatenate([residual, p[K:]], axis=0)  # (K+1, W)
     else:
         p_d = mx.zeros((0,))
         accepted = mx.zeros((0,), dtype=mx.bool_)

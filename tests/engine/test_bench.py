@@ -1,0 +1,128 @@
+"""`understudy bench` end to end on a tiny target/draft pair: the report's shape and sense."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from engine.bench import DEFAULT_PROMPTS, BenchPrompt, load_prompts, run_bench
+from engine.decode import ChatSession, GenerateOptions
+from engine.errors import EngineError
+from engine.loading import load_model
+from engine.sampling import SamplingParams
+from tests.fixtures.tiny_models import write_tiny_pair
+
+METRICS = {"plain_tps", "spec_tps", "speedup", "tau", "acceptance", "identical"}
+PROMPTS = [
+    BenchPrompt("greet", "chat", [{"role": "user", "content": "Hello world! The quick fox"}]),
+    BenchPrompt("add", "code", [{"role": "user", "content": "def add(a, b):\n    return"}]),
+    BenchPrompt("paris", "chat", [{"role": "user", "content": "What is the capital of France?"}]),
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_tiny_pair(tmp_path_factory.mktemp("bench"))
+
+
+@pytest.fixture(scope="module")
+def session(pair: tuple[Path, Path]) -> ChatSession:
+    return ChatSession(load_model(str(pair[0])), load_model(str(pair[1])))
+
+
+def check_report(report: dict, ids: list[str], categories: set[str]) -> None:
+    """The contract: prompts[], categories{}, overall{}, every row with the same metrics."""
+    assert set(report) == {"prompts", "categories", "overall"}
+    assert [r["id"] for r in report["prompts"]] == ids
+    assert set(report["categories"]) == categories
+    rows = [*report["prompts"], *report["categories"].values(), report["overall"]]
+    fields = set(report["overall"])
+    assert fields >= METRICS
+    for row in report["prompts"]:
+        assert set(row) == fields | {"id", "category"}
+        assert row["category"] in categories
+    for row in rows:
+        assert set(row) >= METRICS
+        assert row["plain_tps"] > 0 and row["spec_tps"] > 0
+        assert row["speedup"] == pytest.approx(row["spec_tps"] / row["plain_tps"])
+        assert row["tau"] >= 1.0
+        assert 0.0 <= row["acceptance"] <= 1.0
+        assert isinstance(row["identical"], bool)
+    assert json.loads(json.dumps(report)) == report  # plain JSON all the way down
+
+
+def test_run_bench_report(session: ChatSession) -> None:
+    lines: list[str] = []
+    options = GenerateOptions(max_tokens=16, drafter="model", k=3)
+    report = run_bench(session, PROMPTS, ("plain", "spec"), options, log=lines.append)
+    check_report(report, ["greet", "add", "paris"], {"chat", "code"})
+    assert all(r["identical"] is True for r in report["prompts"])  # coupled: same text
+    assert report["overall"]["identical"] is True
+    assert len(lines) == 3 and "greet" in lines[0] and "identical" in lines[0]
+
+
+def test_run_bench_flags_different_text(session: ChatSession) -> None:
+    """Under the rejection rule at temperature > 0 the texts may differ, and the flag says so."""
+    options = GenerateOptions(max_tokens=16, drafter="model", k=3, accept="rejection",
+                              sampling=SamplingParams(temperature=1.0, seed=1))
+    report = run_bench(session, PROMPTS, ("plain", "spec"), options)
+    flags = [r["identical"] for r in report["prompts"]]
+    assert False in flags
+    assert report["overall"]["identical"] is False
+
+
+def test_bench_cli_prints_and_writes_json(pair: tuple[Path, Path], tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": p.id, "category": p.category,
+                                             "messages": p.messages}) for p in PROMPTS) + "\n")
+    out = tmp_path / "report.json"
+    rc = main(["bench", "--model", str(pair[0]), "--draft", str(pair[1]), "--drafter", "model",
+               "--k", "2", "--prompts", str(prompts), "--max-tokens", "12", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    check_report(report, ["greet", "add", "paris"], {"chat", "code"})
+    assert report["overall"]["identical"] is True
+    printed = capsys.readouterr().out
+    assert "greet" in printed and "[overall]" in printed
+
+
+def test_bench_cli_limit_and_category(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": p.id, "category": p.category,
+                                             "messages": p.messages}) for p in PROMPTS))
+    out = tmp_path / "report.json"
+    rc = main(["bench", "--model", str(pair[0]), "--drafter", "ngram", "--k", "3",
+               "--prompts", str(prompts), "--category", "chat", "--limit", "1",
+               "--max-tokens", "8", "--json", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert [r["id"] for r in report["prompts"]] == ["greet"]
+    assert set(report["categories"]) == {"chat"}
+
+
+def test_load_prompts_errors_name_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "category": "c", "messages": []}\n{"id": "b"}\n')
+    with pytest.raises(EngineError, match=r"p\.jsonl:2:"):
+        load_prompts(path)
+    path.write_text("\n\n")
+    with pytest.raises(EngineError, match="no prompts"):
+        load_prompts(path)
+    with pytest.raises(EngineError, match="cannot read"):
+        load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_unknown_mode_is_refused(session: ChatSession) -> None:
+    with pytest.raises(EngineError, match="unknown mode"):
+        run_bench(session, PROMPTS, ("plain", "turbo"), GenerateOptions(drafter="ngram", k=2))
+
+
+def test_bundled_prompts_load() -> None:
+    prompts = load_prompts(DEFAULT_PROMPTS)
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert len({p.category for p in prompts}) >= 3
+    assert all(p.messages and p.messages[-1]["role"] == "user" for p in prompts)

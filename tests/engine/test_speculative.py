@@ -1,0 +1,481 @@
+"""Speculative decoding end to end: identity with plain decoding, step accounting, caches.
+
+The coupled rule's promise is exact: for every drafter, sampling setting and seed, the
+speculative reply is token-for-token the plain reply. Tiny random models make that cheap to
+check over many prompts (a hypothesis property test); the demo model checks it on a real
+model. The rejection rule is checked for identity only at temperature 0 (its distribution
+is checked in test_rejection_stats.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.decode import ChatSession, GenerateOptions
+from engine.errors import IncompatibleDraftError
+from engine.events import Finished, Step, TokenKind
+from engine.loading import LoadedModel, load_model
+from engine.sampling import SamplingParams
+from engine.speculative import step_kinds
+from tests.fixtures.tiny_models import write_tiny_model, write_tiny_pair
+
+DRAFTERS = ("ngram", "model", "layerskip", "auto")
+SAMPLINGS = (
+    SamplingParams(temperature=0.0),
+    SamplingParams(temperature=0.8, seed=7),
+    SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3),
+    SamplingParams(temperature=1.1, min_p=0.05, repetition_penalty=1.3, seed=5),
+)
+PROMPTS = (
+    "Hello world! The quick brown fox",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):",  # repeats: prompt lookup matches
+    "What is the capital of France?",
+)
+K_CHOICES = (None, 1, 3, 6)
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def run(session: ChatSession, options: GenerateOptions, messages: Sequence[dict] | None = None,
+        ids: Sequence[int] | None = None) -> tuple[list[Step], Finished]:
+    events = list(session.generate(messages, options) if ids is None
+                  else session.generate_ids(ids, options))
+    finished = events[-1]
+    assert isinstance(finished, Finished)
+    return [e for e in events if isinstance(e, Step)], finished
+
+
+class Counting:
+    """A model that counts the tokens each call feeds (to see what a cache saved)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.n_layers = model.n_layers
+        self.args = model.args
+        self.fed: list[int] = []
+
+    def __call__(self, inputs: mx.array, mask=None, cache=None, n_layers=None) -> mx.array:
+        self.fed.append(inputs.shape[1])
+        return self.model(inputs, mask=mask, cache=cache, n_layers=n_layers)
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return write_tiny_pair(tmp_path_factory.mktemp("spec"))
+
+
+@pytest.fixture(scope="module")
+def target(pair_dirs: tuple[Path, Path]) -> LoadedModel:
+    return load_model(str(pair_dirs[0]))
+
+
+@pytest.fixture(scope="module")
+def session(pair_dirs: tuple[Path, Path], target: LoadedModel) -> ChatSession:
+    """Target + a smaller random draft: drafts are often rejected."""
+    return ChatSession(target, load_model(str(pair_dirs[1])))
+
+
+@pytest.fixture(scope="module")
+def self_session(pair_dirs: tuple[Path, Path], target: LoadedModel) -> ChatSession:
+    """The target drafting for itself: under the coupled rule every draft is accepted."""
+    return ChatSession(target, load_model(str(pair_dirs[0])))
+
+
+# ----------------------------------------------------------------------------- identity
+
+
+def test_step_kinds_display_order() -> None:
+    A, R = TokenKind.ACCEPTED, TokenKind.REJECTED
+    assert step_kinds(0, 0) == [TokenKind.TARGET]
+    assert step_kinds(3, 3) == [A, A, A, TokenKind.BONUS]
+    assert step_kinds(3, 1) == [A, R, R, TokenKind.REPLACED]
+    assert step_kinds(2, 0) == [R, R, TokenKind.REPLACED]
+    for d in range(5):
+        for n in range(d + 1):
+            assert step_kinds(d, n) == expected_kinds(d, n)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=lambda s: f"T{s.temperature}")
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_speculative_text_equals_plain_text(session: ChatSession, drafter: str,
+                                            sampling: SamplingParams) -> None:
+    for i, prompt in enumerate(PROMPTS):
+        plain_opts = GenerateOptions(max_tokens=40, sampling=sampling)
+        _, plain = run(session, plain_opts, user(prompt))
+        accepts = ("coupled", "rejection") if sampling.greedy else ("coupled",)
+        for accept in accepts:
+            spec_opts = dataclasses.replace(plain_opts, drafter=drafter, accept=accept,
+                                            k=K_CHOICES[i % len(K_CHOICES)])
+            steps, spec = run(session, spec_opts, user(prompt))
+            assert spec.token_ids == plain.token_ids, (drafter, accept, prompt)
+            assert spec.text == plain.text
+            assert spec.stats.finish_reason == plain.stats.finish_reason
+            if drafter in ("model", "layerskip") and spec_opts.k:
+                assert all(s.n_drafted for s in steps)
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_self_draft_accepts_everything_and_still_matches(self_session: ChatSession,
+                                                         drafter: str) -> None:
+    sampling = SamplingParams(temperature=0.8, seed=2)
+    _, plain = run(self_session, GenerateOptions(max_tokens=40, sampling=sampling),
+                   user(PROMPTS[0]))
+    steps, spec = run(self_session, GenerateOptions(max_tokens=40, sampling=sampling,
+                                                    drafter=drafter, k=4), user(PROMPTS[0]))
+    assert spec.token_ids == plain.token_ids
+    check_steps(steps, spec)
+    if drafter == "model":
+        assert spec.stats.acceptance == 1.0
+        assert spec.stats.tau > 4.0  # k + 1 tokens per pass, except at the end
+        assert all(s.tokens[-1].kind is TokenKind.BONUS for s in steps[:-1])
+
+
+def test_stop_strings_cut_speculative_text_where_plain_stops(session: ChatSession) -> None:
+    sampling = SamplingParams(temperature=0.8, seed=7)
+    _, full = run(session, GenerateOptions(max_tokens=40, sampling=sampling), user(PROMPTS[0]))
+    stop = full.text[12:15]
+    assert len(stop) == 3
+    plain_opts = GenerateOptions(max_tokens=40, sampling=sampling, stop=(stop,))
+    _, plain = run(session, plain_opts, user(PROMPTS[0]))
+    assert plain.stats.finish_reason == "stop" and stop not in plain.text
+    for drafter in DRAFTERS:
+        _, spec = run(session, dataclasses.replace(plain_opts, drafter=drafter, k=5),
+                      user(PROMPTS[0]))
+        assert (spec.text, spec.stats.finish_reason) == (plain.text, "stop")
+
+
+@st.composite
+def spec_cases(draw: st.DrawFn) -> tuple[list[int], SamplingParams, str, int | None, str, bool]:
+    prompt = draw(st.lists(st.integers(3, 60), min_size=1, max_size=24))
+    sampling = dataclasses.replace(draw(st.sampled_from(SAMPLINGS)),
+                                   seed=draw(st.integers(0, 2**64 - 1)))
+    drafter = draw(st.sampled_from(DRAFTERS))
+    k = draw(st.sampled_from(K_CHOICES))
+    accept = draw(st.sampled_from(("coupled", "rejection"))) if sampling.greedy else "coupled"
+    return prompt, sampling, drafter, k, accept, draw(st.booleans())
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=spec_cases())
+def test_identity_over_random_prompts(session: ChatSession, self_session: ChatSession,
+                                      case: tuple) -> None:
+    """Any prompt (repeats make prompt lookup match), seed, drafter, K: same tokens."""
+    prompt, sampling, drafter, k, accept, use_self = case
+    chat = self_session if use_self else session
+    plain_opts = GenerateOptions(max_tokens=24, sampling=sampling)
+    _, plain = run(chat, plain_opts, ids=prompt)
+    _, spec = run(chat, dataclasses.replace(plain_opts, drafter=drafter, k=k, accept=accept),
+                  ids=prompt)
+    assert spec.token_ids == plain.token_ids
+    assert spec.text == plain.text
+
+
+# ----------------------------------------------------------------------------- accounting
+
+
+def expected_kinds(n_drafted: int, n_accepted: int) -> list[TokenKind]:
+    """ACCEPTED..., then REJECTED... + REPLACED, or BONUS; TARGET when nothing was drafted."""
+    if n_drafted == 0:
+        return [TokenKind.TARGET]
+    tail = ([TokenKind.REJECTED] * (n_drafted - n_accepted) + [TokenKind.REPLACED]
+            if n_accepted < n_drafted else [TokenKind.BONUS])
+    return [TokenKind.ACCEPTED] * n_accepted + tail
+
+
+def check_steps(steps: list[Step], finished: Finished) -> None:
+    """Every step's tokens, counts and fates agree with each other and with the totals."""
+    committed_ids: list[int] = []
+    text = ""
+    for i, step in enumerate(steps):
+        kinds = [t.kind for t in step.tokens]
+        full = expected_kinds(step.n_drafted, step.n_accepted)
+        if i < len(steps) - 1:
+            assert kinds == full
+            assert len(step.committed) == step.n_accepted + 1
+        else:  # the last step may end early (max tokens, eos, stop string)
+            assert kinds == full[: len(kinds)]
+            assert len(step.committed) <= step.n_accepted + 1
+        assert step.n_drafted == 0 or step.k >= step.n_drafted
+        assert (step.drafter == "none") == (step.n_drafted == 0)
+        rejected = [t for t in step.tokens if t.kind is TokenKind.REJECTED]
+        replaced = [t for t in step.tokens if t.kind is TokenKind.REPLACED]
+        if rejected and replaced:
+            # the target's token where the first draft failed is a different token
+            assert replaced[0].id != rejected[0].id
+        committed_ids += [t.id for t in step.committed]
+        text += step.text
+    assert tuple(committed_ids) == finished.token_ids
+    assert text == finished.text
+    stats = finished.stats
+    assert stats.target_passes == len(steps)
+    assert stats.generated_tokens == len(finished.token_ids)
+    assert stats.n_drafted == sum(s.n_drafted for s in steps)
+    assert stats.n_accepted == sum(s.n_accepted for s in steps)
+    assert stats.tau == pytest.approx(stats.generated_tokens / stats.target_passes)
+    if stats.n_drafted:
+        assert stats.acceptance == pytest.approx(stats.n_accepted / stats.n_drafted)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS[:3], ids=lambda s: f"T{s.temperature}")
+@pytest.mark.parametrize("k", [1, 4])
+def test_model_drafter_accounting_and_cache_lengths(session: ChatSession,
+                                                    sampling: SamplingParams, k: int) -> None:
+    """After each step both caches hold the committed sequence minus its newest token."""
+    messages = user(PROMPTS[0])
+    n_prompt = len(session.encode(messages))
+    options = GenerateOptions(max_tokens=40, sampling=sampling, drafter="model", k=k)
+    steps: list[Step] = []
+    generated = 0
+    for event in session.generate(messages, options):
+        if isinstance(event, Step):
+            steps.append(event)
+            generated += len(event.committed)
+            if len(event.committed) == event.n_accepted + 1:  # not cut short at the end
+                n = n_prompt + generated - 1
+                assert session.cache_lengths() == {"target": n, "draft": n}
+            assert event.k == k and event.n_drafted == k and event.drafter == "model"
+        elif isinstance(event, Finished):
+            finished = event
+    check_steps(steps, finished)
+    assert finished.stats.generated_tokens == 40
+    assert any(s.n_accepted < s.n_drafted for s in steps)  # the rejection path was taken
+    assert any(s.n_accepted > 0 for s in steps)  # and the acceptance path
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_accounting_for_every_drafter(session: ChatSession, self_session: ChatSession,
+                                      drafter: str) -> None:
+    for chat, k in ((session, None), (self_session, 3)):
+        steps, finished = run(chat, GenerateOptions(
+            max_tokens=30, sampling=SamplingParams(temperature=0.8, seed=1), drafter=drafter,
+            k=k), user(PROMPTS[1]))
+        check_steps(steps, finished)
+
+
+def test_rejected_tokens_never_reach_the_text(session: ChatSession) -> None:
+    options = GenerateOptions(max_tokens=40, sampling=SamplingParams(temperature=0.8, seed=9),
+                              drafter="model", k=4)
+    steps, finished = run(session, options, user(PROMPTS[2]))
+    check_steps(steps, finished)
+    rejected = [t for s in steps for t in s.tokens if t.kind is TokenKind.REJECTED]
+    assert rejected
+    # rebuild the reply from each step's committed ids: REJECTED ids are not among them
+    positions = 0
+    for step in steps:
+        for t in step.tokens:
+            if t.kind is TokenKind.REJECTED:
+                continue
+            assert finished.token_ids[positions] == t.id
+            positions += 1
+    assert positions == len(finished.token_ids)
+    assert session.target.tokenizer.decode(list(finished.token_ids)) == finished.text
+
+
+# ----------------------------------------------------------------------------- prefix reuse
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture
+def counted_session(pair_dirs: tuple[Path, Path], target: LoadedModel) -> tuple[ChatSession,
+                                                                               Counting]:
+    draft = load_model(str(pair_dirs[1]))
+    counting = Counting(draft.model)
+    return ChatSession(target, dataclasses.replace(draft, model=counting)), counting
+
+
+def test_prefix_reuse_across_chat_turns(counted_session: tuple[ChatSession, Counting]) -> None:
+    session, draft_calls = counted_session
+    options = GenerateOptions(max_tokens=12, sampling=SamplingParams(temperature=0.8, seed=4),
+                              drafter="model", k=3)
+    turn1 = user("Hello world! The quick brown fox jumps")
+    p1 = session.encode(turn1)
+    _, first = run(session, options, turn1)
+    assert first.stats.finish_reason == "length"
+    assert first.stats.prefilled_tokens == len(p1)  # a cold cache computes everything
+    n_cached = session.cache_lengths()["target"]
+
+    turn2 = [*turn1, {"role": "assistant", "content": first.text},
+             {"role": "user", "content": "And the lazy dog?"}]
+    p2 = session.encode(turn2)
+    reused = min(common_prefix((p1 + list(first.token_ids))[:n_cached], p2), len(p2) - 1)
+    assert reused >= len(p1)  # at least the whole first prompt
+
+    draft_calls.fed.clear()
+    _, second = run(session, options, turn2)
+    assert second.stats.prompt_tokens == len(p2)
+    assert second.stats.prefilled_tokens == len(p2) - reused  # only the new tokens (+1)
+    # the draft model caught up on the new tokens only, in its first call
+    assert draft_calls.fed[0] <= len(p2) - len(p1)
+
+    session.reset()  # and reuse changed nothing: a cold session says the same
+    _, cold = run(session, options, turn2)
+    assert cold.token_ids == second.token_ids
+    assert cold.stats.prefilled_tokens == len(p2)
+
+
+def test_prefix_reuse_is_exact_at_the_token_level(
+        counted_session: tuple[ChatSession, Counting]) -> None:
+    session, draft_calls = counted_session
+    options = GenerateOptions(max_tokens=10, sampling=SamplingParams(temperature=0.8, seed=6),
+                              drafter="model", k=3)
+    p1 = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]
+    _, first = run(session, options, ids=p1)
+    assert first.stats.finish_reason == "length"
+    n_cached = session.cache_lengths()["target"]
+    assert n_cached in (len(p1) + 10, len(p1) + 9)  # the newest token may be unfed
+
+    new = [40, 41, 42, 43, 44]
+    p2 = p1 + list(first.token_ids) + new
+    draft_calls.fed.clear()
+    _, second = run(session, options, ids=p2)
+    assert second.stats.prefilled_tokens == len(p2) - n_cached <= len(new) + 1
+    assert draft_calls.fed[0] <= len(new)
+
+    session.reset()
+    _, cold = run(session, options, ids=p2)
+    assert cold.token_ids == second.token_ids
+
+
+@pytest.mark.parametrize("how", ["cancel", "stop", "length"])
+def test_a_reply_cut_short_leaves_caches_the_next_turn_can_reuse(
+        counted_session: tuple[ChatSession, Counting], how: str) -> None:
+    """Whatever ended the last reply (the loop may have committed past its end), the next
+    turn gives what a cold session gives."""
+    session, _ = counted_session
+    sampling = SamplingParams(temperature=0.8, seed=8)
+    options = GenerateOptions(max_tokens=20, sampling=sampling, drafter="model", k=4)
+    p1 = [20, 21, 22, 23, 24, 25, 26, 27]
+    if how == "stop":
+        _, probe = run(session, options, ids=p1)
+        options = dataclasses.replace(options, stop=(probe.text[6:8],))
+    cancel = threading.Event()
+    events = []
+    for event in session.generate_ids(p1, options, cancel if how == "cancel" else None):
+        events.append(event)
+        if isinstance(event, Step):
+            cancel.set()
+    first = events[-1]
+    assert isinstance(first, Finished)
+    assert first.stats.finish_reason == {"cancel": "cancelled"}.get(how, how)
+    p2 = p1 + list(first.token_ids) + [30, 31, 32]
+    _, warm = run(session, options, ids=p2)
+    assert warm.stats.prefilled_tokens <= 4
+    session.reset()
+    _, cold = run(session, options, ids=p2)
+    assert warm.token_ids == cold.token_ids
+
+
+# ----------------------------------------------------------------------------- draft checks
+
+
+def test_a_draft_with_another_tokenizer_is_refused(tmp_path: Path, pair_dirs: tuple[Path, Path],
+                                                   target: LoadedModel) -> None:
+    pytest.importorskip("engine.compat", reason="engine/compat.py is not written yet")
+    other = write_tiny_model(tmp_path / "other", hidden_size=32, num_hidden_layers=1,
+                             intermediate_size=64, seed=9)
+    tok_path = other / "tokenizer.json"
+    data = json.loads(tok_path.read_text())
+    vocab = data["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    a, b = by_id[100], by_id[101]
+    vocab[a], vocab[b] = 101, 100  # same strings, two ids swapped
+    tok_path.write_text(json.dumps(data))
+    with pytest.raises(IncompatibleDraftError, match="different strings") as err:
+        ChatSession(target, load_model(str(other)))
+    assert str(other) in str(err.value) and "100" in str(err.value)
+
+
+def test_a_draft_sharing_the_tokenizer_is_accepted(tmp_path: Path,
+                                                   pair_dirs: tuple[Path, Path],
+                                                   target: LoadedModel) -> None:
+    copy = shutil.copytree(pair_dirs[1], tmp_path / "draft-copy")
+    assert "model" in ChatSession(target, load_model(str(copy))).drafters
+
+
+def test_a_draft_with_a_padded_vocabulary(tmp_path: Path, target: LoadedModel) -> None:
+    """Embeddings padded past the tokenizer are compatible; the draft may propose padding
+    ids, which the target must reject (never read out of bounds, never commit)."""
+    padded = write_tiny_model(tmp_path / "padded", vocab_size=400, hidden_size=32,
+                              num_hidden_layers=1, intermediate_size=64, seed=1)
+    chat = ChatSession(target, load_model(str(padded)))
+    vocab = target.model.args.vocab_size
+    outside = 0
+    for sampling, accept in ((SamplingParams(temperature=0.0), "coupled"),
+                             (SamplingParams(temperature=0.0), "rejection"),
+                             (SamplingParams(temperature=0.8, seed=2), "coupled"),
+                             (SamplingParams(temperature=0.8, seed=2), "rejection")):
+        options = GenerateOptions(max_tokens=30, sampling=sampling)
+        _, plain = run(chat, options, user(PROMPTS[0]))
+        steps, spec = run(chat, dataclasses.replace(options, drafter="model", k=4,
+                                                     accept=accept), user(PROMPTS[0]))
+        check_steps(steps, spec)
+        assert all(t < vocab for t in spec.token_ids)
+        if accept == "coupled" or sampling.greedy:
+            assert spec.token_ids == plain.token_ids
+        outside += sum(t.id >= vocab for s in steps for t in s.tokens)
+    assert outside > 0  # padding ids were proposed, and rejected
+
+
+# ----------------------------------------------------------------------------- demo model
+
+
+@pytest.fixture(scope="module")
+def demo_session(demo_model_dir: Path) -> ChatSession:
+    """The demo model drafting for itself (the "model" drafter at no extra memory).
+
+    Its drafts come from 1-token passes and are checked by (K+1)-token passes, so any
+    numeric difference between the two shapes shows up here as a changed reply. Real
+    rejections on a real model come from layer skip and prompt lookup.
+    """
+    demo = load_model(str(demo_model_dir))
+    return ChatSession(demo, demo)
+
+
+DEMO_CASES = [
+    ("Write a Python function that adds two numbers.", SamplingParams(temperature=0.0),
+     [("ngram", 4, "coupled"), ("model", 4, "coupled"), ("layerskip", 1, "coupled"),
+      ("model", 4, "rejection")]),
+    ("Repeat after me: the cat sat on the mat, the cat sat on the mat.",
+     SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3),
+     [("model", 4, "coupled"), ("auto", 3, "coupled")]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("prompt", "sampling", "runs"), DEMO_CASES, ids=["greedy", "sampled"])
+def test_demo_model_speculative_equals_plain(demo_session: ChatSession, prompt: str,
+                                             sampling: SamplingParams,
+                                             runs: list[tuple[str, int, str]]) -> None:
+    plain_opts = GenerateOptions(max_tokens=24, sampling=sampling)
+    _, plain = run(demo_session, plain_opts, user(prompt))
+    assert plain.text.strip()
+    for drafter, k, accept in runs:
+        steps, spec = run(demo_session, dataclasses.replace(
+            plain_opts, drafter=drafter, k=k, accept=accept), user(prompt))
+        assert spec.text == plain.text, (drafter, accept)
+        assert spec.token_ids == plain.token_ids
+        check_steps(steps, spec)
+        if drafter == "model":
+            assert spec.stats.acceptance > 0.5  # the same model mostly agrees with itself
