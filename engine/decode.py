@@ -86,7 +86,8 @@ class ChatSession:
         if target.model.n_layers > 1:
             self._drafters["layerskip"] = LayerSkipDrafter(target.model, self.caches_tgt)
         if draft is not None:
-            self._drafters["model"] = ModelDrafter(draft.model)
+            self._drafters["model"] = ModelDrafter(
+                draft.model, vocab_size=target.model.args.vocab_size)
         self._costs: CostModel | None = None
 
     @property

@@ -23,14 +23,27 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, model, n_layers: int | None = None, caches=None) -> None:
+    def __init__(self, model, n_layers: int | None = None, caches=None,
+                 vocab_size: int | None = None) -> None:
+        """`vocab_size`: the target's; the draft never proposes ids beyond it (padding)."""
         self.model = model
+        self.vocab_size = vocab_size
+        args = getattr(model, "args", None)  # wrapped models in tests may not expose it
+        self._draft_vocab: int | None = args.vocab_size if args is not None else None
         self.n_layers = n_layers
         self.caches = caches if caches is not None else make_caches(model.n_layers)
         self.cached_ids: list[int] = []
 
+    def safe_ids(self, ids: mx.array) -> mx.array:
+        """Ids the draft's embedding has: a target-only id reads as 0 (it only costs
+        draft quality; verification decides what is committed)."""
+        if self._draft_vocab is None:
+            return ids
+        return mx.where(ids < self._draft_vocab, ids, 0)
+
     def _forward(self, ids: mx.array) -> mx.array:
-        return self.model(ids, cache=self.caches, n_layers=self.n_layers)[0]
+        logits = self.model(self.safe_ids(ids), cache=self.caches, n_layers=self.n_layers)[0]
+        return logits if self.vocab_size is None else logits[:, : self.vocab_size]
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
                 accept: str) -> Draft:
@@ -83,4 +96,5 @@ class _Partial:
         self.drafter = drafter
 
     def __call__(self, ids: mx.array, cache=None) -> mx.array:
-        return self.drafter.model(ids, cache=cache, n_layers=self.drafter.n_layers)
+        return self.drafter.model(self.drafter.safe_ids(ids), cache=cache,
+                                  n_layers=self.drafter.n_layers)
