@@ -29,7 +29,13 @@ from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.stopping import StopMatcher
-from engine.tuning import CostModel, DraftPolicy, load_or_measure_costs, measure_costs
+from engine.tuning import (
+    CostModel,
+    DraftPolicy,
+    PolicyMemory,
+    load_or_measure_costs,
+    measure_costs,
+)
 
 DRAFTERS = ("none", "model", "ngram", "layerskip", "auto")
 ACCEPT_RULES = ("coupled", "rejection")
@@ -89,6 +95,7 @@ class ChatSession:
             self._drafters["model"] = ModelDrafter(
                 draft.model, vocab_size=target.model.args.vocab_size)
         self._costs: CostModel | None = None
+        self._policy_memory: dict[str, PolicyMemory] = {}  # per drafter mode, across replies
 
     @property
     def context_window(self) -> int:
@@ -161,7 +168,8 @@ class ChatSession:
             tokens, n = ngram.match_with_length(ctx, k)
             return len(tokens), n
 
-        return DraftPolicy(mode, available, costs, options.k, ngram_match)
+        memory = self._policy_memory.setdefault(mode, PolicyMemory())
+        return DraftPolicy(mode, available, costs, options.k, ngram_match, memory)
 
     def _calibrate(self) -> CostModel:
         """Measure pass costs once per model/draft/backend; cached on disk."""

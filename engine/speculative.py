@@ -107,6 +107,9 @@ def speculative_steps(
                 pending = forward(model, [context[-1]], caches)[-1]
             _, tok, p = choose(pending[None], sampling, [len(context)],
                                [context] if want_history else None)
+            # evaluate the token on its own first: reading it back must not wait for the
+            # pass queued behind it
+            mx.async_eval(tok, p)
             pending = model(tok[None], cache=list(caches))[0, -1]
             mx.async_eval(pending)
             token, prob = int(tok.item()), float(p.item())

@@ -23,12 +23,13 @@ CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 K_MAX = 15
 PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
                     # prompt lookup, by matched suffix length: longer matches copy better
-                    "ngram2": 0.3, "ngram3": 0.45, "ngram4": 0.6}
-DRAFT_MARGIN = 0.05
+                    "ngram2": 0.2, "ngram3": 0.35, "ngram4": 0.55}
+OPTIMISTIC_ACCEPTANCE = 0.8  # a drafter that cannot pay even at this rate is never probed
+DRAFT_MARGIN = 0.15
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
 PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
-GUARD_MIN_STEPS = 4  # steps of a drafter before its realized speed can bench it
-GUARD_RETRY = 48  # steps after which a benched drafter gets another chance
+GUARD_MIN_STEPS = 2  # steps of a drafter before its realized speed can bench it
+GUARD_RETRY = 256  # steps after which a benched drafter gets one more chance
 
 
 @dataclass
@@ -206,6 +207,19 @@ class Choice:
     estimate: str | None = None
 
 
+@dataclass
+class PolicyMemory:
+    """What a policy has learned about its drafters; kept by the session across replies,
+    since acceptance and real costs belong to the model pair, not to one reply."""
+
+    estimates: dict[str, AcceptanceEstimate] = field(default_factory=lambda: {
+        key: AcceptanceEstimate(prior) for key, prior in PRIOR_ACCEPTANCE.items()})
+    realized: dict[str, RealizedSpeed] = field(default_factory=dict)
+    benched: dict[str, int] = field(default_factory=dict)  # drafter -> step it was benched
+    steps: int = 0
+    idle: int = 0
+
+
 class DraftPolicy:
     """Per step: which drafter and how many tokens, from costs and acceptance so far.
 
@@ -218,18 +232,21 @@ class DraftPolicy:
     def __init__(self, mode: str, available: Sequence[str], costs: CostModel | None,
                  fixed_k: int | None = None,
                  ngram_match: Callable[[Sequence[int], int], tuple[int, int]] | None = None,
-                 ) -> None:
+                 memory: PolicyMemory | None = None) -> None:
         self.mode = mode
         self.available = tuple(available)
         self.costs = costs
         self.fixed_k = fixed_k
         self.ngram_match = ngram_match
-        self.estimates = {key: AcceptanceEstimate(prior)
-                          for key, prior in PRIOR_ACCEPTANCE.items()}
-        self.realized: dict[str, RealizedSpeed] = {}
-        self._idle = 0
-        self._steps = 0
-        self._benched: dict[str, int] = {}  # drafter -> step it was benched at
+        self.memory = memory if memory is not None else PolicyMemory()
+
+    @property
+    def estimates(self) -> dict[str, AcceptanceEstimate]:
+        return self.memory.estimates
+
+    @property
+    def realized(self) -> dict[str, RealizedSpeed]:
+        return self.memory.realized
 
     def _is_benched(self, name: str) -> bool:
         """A drafter whose real seconds per token lose to plain steps sits out a while.
@@ -239,17 +256,17 @@ class DraftPolicy:
         """
         if self.fixed_k is not None:
             return False
-        since = self._benched.get(name)
+        since = self.memory.benched.get(name)
         if since is not None:
-            if self._steps - since < GUARD_RETRY:
+            if self.memory.steps - since < GUARD_RETRY:
                 return True
-            del self._benched[name]
-            self.realized.pop(name, None)
+            # one more chance: its record stays, so one more losing step benches it again
+            del self.memory.benched[name]
         mine, plain = self.realized.get(name), self.realized.get("none")
         if mine is None or plain is None or mine.steps < GUARD_MIN_STEPS or plain.steps < 2:
             return False
         if mine.seconds_per_token > plain.seconds_per_token:
-            self._benched[name] = self._steps
+            self.memory.benched[name] = self.memory.steps
             return True
         return False
 
@@ -263,7 +280,7 @@ class DraftPolicy:
         """The next step's drafter and K; `pending` as in `best_k`."""
         best = Choice(None, 0)
         best_rate = 0.0 if self.costs is None else 1.0 / self.costs.verify(1)
-        self._steps += 1
+        self.memory.steps += 1
         for name in self._candidates():
             if self._is_benched(name):
                 continue
@@ -283,15 +300,23 @@ class DraftPolicy:
             if k > 0 and rate > best_rate:
                 best, best_rate = Choice(name, k, key), rate
         if best.drafter is not None:
-            self._idle = 0
+            self.memory.idle = 0
             return best
-        self._idle += 1
-        probe = next((d for d in self._candidates()
-                      if d != "ngram" and not self._is_benched(d)), None)
-        if probe is not None and self._idle >= PROBE_EVERY:
-            self._idle = 0
-            return Choice(probe, 2, probe)
+        self.memory.idle += 1
+        if self.memory.idle >= PROBE_EVERY:
+            probe = next((d for d in self._candidates() if self._worth_probing(d, pending)),
+                         None)
+            if probe is not None:
+                self.memory.idle = 0
+                return Choice(probe, 2, probe)
         return best
+
+    def _worth_probing(self, name: str, pending: bool) -> bool:
+        """Whether a drafter now at K = 0 could pay if its acceptance recovered."""
+        if name == "ngram" or self._is_benched(name) or self.costs is None:
+            return False
+        draft_s = self.costs.draft_s.get(name, 0.0)
+        return best_k(OPTIMISTIC_ACCEPTANCE, draft_s, self.costs, 4, pending)[0] > 0
 
     def update(self, choice: Choice, n_drafted: int, n_accepted: int,
                seconds: float | None = None, width: int | None = None,

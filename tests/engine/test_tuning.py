@@ -20,6 +20,7 @@ from engine.tuning import (
     AcceptanceEstimate,
     CostModel,
     DraftPolicy,
+    PolicyMemory,
     best_k,
     expected_tokens,
     load_or_measure_costs,
@@ -148,7 +149,7 @@ def ngram_match(context: Sequence[int], k: int) -> tuple[int, int]:
 
 REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5]  # suffix 1..5 seen; 6..5 followed
 FRESH = list(range(20, 40))  # no token repeats
-COSTS = CostModel({1: 0.010, 16: 0.011}, {"ngram": 0.0, "model": 0.004, "layerskip": 0.004})
+COSTS = CostModel({1: 0.010, 16: 0.011}, {"ngram": 0.0, "model": 0.001, "layerskip": 0.001})
 
 
 def test_fixed_k_always_drafts_k() -> None:
@@ -240,3 +241,32 @@ def test_measure_costs_on_a_tiny_pair(tmp_path: Path) -> None:
     assert all(s > 0 for s in costs.verify_s.values())
     assert costs.draft_s["ngram"] == 0.0
     assert costs.draft_s["model"] > 0 and costs.draft_s["layerskip"] > 0
+
+
+def test_a_drafter_that_cannot_pay_even_when_right_is_never_probed() -> None:
+    def probes(draft_s: float) -> int:
+        policy = DraftPolicy("layerskip", ("layerskip",),
+                             CostModel({1: 0.010, 16: 0.011}, {"layerskip": draft_s}))
+        count = 0
+        for _ in range(4 * PROBE_EVERY):
+            choice = policy.choose(FRESH)
+            policy.update(choice, choice.k, 0)  # every draft fails
+            count += choice.drafter is not None
+        return count
+
+    # drafting one token costs more than a whole target pass: even 80% acceptance loses
+    assert probes(0.030) == 0
+    # negative control: a cheap drafter that fails the same way is still probed now and then
+    assert probes(0.0005) >= 3
+
+
+def test_what_a_policy_learned_carries_over_to_the_next_reply() -> None:
+    memory = PolicyMemory()
+    first = DraftPolicy("model", ("model",), COSTS, memory=memory)
+    for _ in range(20):
+        choice = first.choose(FRESH)
+        first.update(choice, choice.k, 0)
+    fresh_policy = DraftPolicy("model", ("model",), COSTS)
+    next_reply = DraftPolicy("model", ("model",), COSTS, memory=memory)
+    assert next_reply.estimates["model"].alpha < fresh_policy.estimates["model"].alpha
+    assert next_reply.choose(FRESH).k < fresh_policy.choose(FRESH).k
