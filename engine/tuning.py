@@ -254,7 +254,9 @@ class DraftPolicy:
         The cost model cannot see everything (Python overhead, cache catch-up, a busy
         machine); this guard judges by what the steps actually took.
         """
-        if self.fixed_k is not None:
+        if self.fixed_k is not None or name == "ngram":
+            # prompt lookup costs nothing to ask and its worth swings with the text; its
+            # per-match-length estimates already follow that, so it is never benched
             return False
         since = self.memory.benched.get(name)
         if since is not None:
