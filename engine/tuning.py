@@ -23,7 +23,7 @@ CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 K_MAX = 15
 PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
                     # prompt lookup, by matched suffix length: longer matches copy better
-                    "ngram2": 0.2, "ngram3": 0.35, "ngram4": 0.55}
+                    "ngram2": 0.1, "ngram3": 0.25, "ngram4": 0.55}
 OPTIMISTIC_ACCEPTANCE = 0.8  # a drafter that cannot pay even at this rate is never probed
 DRAFT_MARGIN = 0.15
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
@@ -98,8 +98,8 @@ class AcceptanceEstimate:
     prior: float
     accepted: float = 0.0
     rejected: float = 0.0
-    decay: float = 0.9
-    weight: float = 2.0  # pseudo-observations the prior is worth
+    decay: float = 0.95
+    weight: float = 4.0  # pseudo-observations the prior is worth
 
     @property
     def alpha(self) -> float:
@@ -249,14 +249,15 @@ class DraftPolicy:
         return self.memory.realized
 
     def _is_benched(self, name: str) -> bool:
-        """A drafter whose real seconds per token lose to plain steps sits out a while.
+        """A drafter (for prompt lookup: a matched length) whose real seconds per token lose
+        to plain steps sits out a while.
 
         The cost model cannot see everything (Python overhead, cache catch-up, a busy
         machine); this guard judges by what the steps actually took.
         """
-        if self.fixed_k is not None or name == "ngram":
+        if self.fixed_k is not None or name.startswith("ngram"):
             # prompt lookup costs nothing to ask and its worth swings with the text; its
-            # per-match-length estimates already follow that, so it is never benched
+            # per-match-length estimates follow that faster than a bench would
             return False
         since = self.memory.benched.get(name)
         if since is not None:
@@ -284,8 +285,6 @@ class DraftPolicy:
         best_rate = 0.0 if self.costs is None else 1.0 / self.costs.verify(1)
         self.memory.steps += 1
         for name in self._candidates():
-            if self._is_benched(name):
-                continue
             limit = self.fixed_k or K_MAX
             match_len = 0
             if name == "ngram" and self.ngram_match is not None:
@@ -293,6 +292,8 @@ class DraftPolicy:
                 if limit == 0:
                     continue
             key = self._estimate_key(name, match_len)
+            if self._is_benched(key):
+                continue
             if self.fixed_k is not None or self.costs is None:
                 k, rate = limit, float("inf") if self.fixed_k else 0.0
             else:
@@ -326,7 +327,7 @@ class DraftPolicy:
         """Record a step's outcome: acceptance, the measured cost of its target pass (when it
         says something about that width) and the whole step's seconds per committed token."""
         if step_seconds is not None and n_tokens:
-            arm = choice.drafter or "none"
+            arm = choice.estimate or choice.drafter or "none"
             self.realized.setdefault(arm, RealizedSpeed()).add(step_seconds, n_tokens)
         if choice.estimate is not None:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
