@@ -4,14 +4,15 @@ Each step: the policy picks a drafter and K; the drafter proposes; the target ch
 drafts in one pass; the acceptance rule keeps a prefix and adds the target's own token; the
 target cache is trimmed to the committed length. Yields one `RawStep` per target pass.
 
-Between steps the caches hold `context[:-1]`: the newest token (the replaced or bonus
-token of the last verification, or the target's own token after a plain step) goes into
-the next pass, in front of any drafts. Only the first step may start from logits the
-caller already has (a full prefill), which then check the first draft for free.
-
-Plain steps here are not pipelined: on MLX's CPU backend `async_eval` runs the pass before
-returning, so queueing the next pass would make every switch from drafting back to plain
-steps pay one extra pass.
+The loop is in one of two states between steps:
+* pending: the target's logits for the next position are known (or being computed), and
+  the caches hold all of `context` — plain decoding's state. A step without drafts samples
+  from them and queues the next pass before reading the token back, as plain decoding
+  does; a drafting step uses them to check its first draft for free.
+* unfed: the caches hold `context[:-1]`; the newest token (the replaced or bonus token of
+  the last verification) goes into the next pass, in front of the drafts. Going back to
+  pipelined plain steps from here costs one pass up front, which the policy's margin and
+  sceptical priors for short prompt-lookup matches keep rare.
 """
 
 from __future__ import annotations
@@ -102,17 +103,21 @@ def speculative_steps(
         draft = draft_step(drafter, choice, context, sampling, accept)
         t_drafted = time.perf_counter()
         if not draft.ids:
-            # a plain step: the target's own token; the caches then hold context[:-1]
+            # a plain step, pipelined like plain decoding: queue the next pass before
+            # reading this token back (the caches then hold all of `context`)
             from_pending = pending is not None
-            logits = pending if from_pending else forward(model, [context[-1]], caches)[-1]
-            pending = None
-            _, tok, p = choose(logits[None], sampling, [len(context)],
+            if pending is None:
+                pending = forward(model, [context[-1]], caches)[-1]
+            _, tok, p = choose(pending[None], sampling, [len(context)],
                                [context] if want_history else None)
-            mx.eval(tok, p)
+            mx.async_eval(tok, p)  # its own event: reading it must not wait for the next pass
+            pending = model(tok[None], cache=list(caches))[0, -1]
+            mx.async_eval(pending)
             token, prob = int(tok.item()), float(p.item())
             context.append(token)
             t_end = time.perf_counter()
-            step_s = None if from_pending else t_end - t_start  # no pass ran: no timing
+            # only a step that found its logits pending shows the steady plain cost
+            step_s = t_end - t_start if from_pending else None
             policy.update(choice, 0, 0, step_s, 1, step_s, 1)
             yield RawStep([token], [TokenKind.TARGET], [prob], verify_s=t_end - t_drafted,
                           drafter="none")
