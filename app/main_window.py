@@ -189,6 +189,7 @@ class MainWindow(QMainWindow):
         controller.conversations_changed.connect(self._update_title)
         controller.generating_changed.connect(self._on_generating_changed)
         self._restore_state()
+        self.composer.edit.setFocus()  # a user opens the app to type
 
     # -- menus ---------------------------------------------------------------------------
     def _action(self, text: str, slot, shortcut=None, checkable: bool = False) -> QAction:
@@ -409,6 +410,7 @@ class MainWindow(QMainWindow):
     def _on_conversation_opened(self, _messages: object) -> None:
         self._update_title()
         self.composer.cancel_edit()
+        self.composer.edit.setFocus()
 
     def _update_title(self) -> None:
         cid = self.controller.conversation_id

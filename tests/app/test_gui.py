@@ -88,6 +88,16 @@ def test_send_streams_text_and_saves_reply(qtbot, make_gui, tiny_pair) -> None:
     assert gui.window.windowTitle().startswith("Hello there")
 
 
+def test_typing_goes_to_the_composer_from_the_start(qtbot, make_gui, tiny_pair) -> None:
+    """A user opens the app (or a new chat) and types: the keys must land in the composer,
+    not on a focused button (a space would press "New chat")."""
+    gui = make_gui(plain_settings(tiny_pair[0]))
+    assert gui.window.focusWidget() is gui.window.composer.edit
+    gui.window.sidebar.setFocus()
+    gui.controller.new_conversation()
+    assert gui.window.focusWidget() is gui.window.composer.edit
+
+
 def test_shift_enter_inserts_newline(qtbot, make_gui, tiny_pair) -> None:
     gui = make_gui(plain_settings(tiny_pair[0]))
     edit = gui.window.composer.edit
