@@ -79,10 +79,11 @@ def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
     step's own pass has width K instead of K+1. Drafting must beat plain by DRAFT_MARGIN,
     which covers the per-step work the pipelined plain path hides.
     """
-    plain = 1.0 / costs.verify(1)
+    widths = [costs.verify(w) for w in range(k_max + 2)]  # widths[w]: one pass of width w
+    plain = 1.0 / widths[1]
     best = (0, plain)
     for k in range(1, k_max + 1):
-        verify = costs.verify(k) if pending else costs.verify(k + 1)
+        verify = widths[k] if pending else widths[k + 1]
         rate = expected_tokens(alpha, k) / (k * draft_s + verify)
         if rate > best[1]:
             best = (k, rate)

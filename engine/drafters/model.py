@@ -41,8 +41,12 @@ class ModelDrafter:
             return ids
         return mx.where(ids < self._draft_vocab, ids, 0)
 
+    def _run(self, ids: mx.array, cache=None) -> mx.array:
+        """The draft model with this drafter's layer limit (layer skip: the first layers)."""
+        return self.model(self.safe_ids(ids), cache=cache, n_layers=self.n_layers)
+
     def _forward(self, ids: mx.array) -> mx.array:
-        logits = self.model(self.safe_ids(ids), cache=self.caches, n_layers=self.n_layers)[0]
+        logits = self._run(ids, self.caches)[0]
         return logits if self.vocab_size is None else logits[:, : self.vocab_size]
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
@@ -78,7 +82,7 @@ class ModelDrafter:
 
     def commit(self, context: Sequence[int]) -> None:
         """Hold exactly `context[:-1]`: trim rejected drafts, feed accepted-but-unfed ones."""
-        self.cached_ids, logits = sync_cache(_Partial(self), self.caches, self.cached_ids,
+        self.cached_ids, logits = sync_cache(self._run, self.caches, self.cached_ids,
                                              context)
         if logits is not None:
             mx.eval(logits)
@@ -88,13 +92,3 @@ class ModelDrafter:
         for c in self.caches:
             c.trim(0)
 
-
-class _Partial:
-    """Calls the model with this drafter's layer limit (layer skip uses the first layers)."""
-
-    def __init__(self, drafter: ModelDrafter) -> None:
-        self.drafter = drafter
-
-    def __call__(self, ids: mx.array, cache=None) -> mx.array:
-        return self.drafter.model(self.drafter.safe_ids(ids), cache=cache,
-                                  n_layers=self.drafter.n_layers)
