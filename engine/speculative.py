@@ -8,11 +8,17 @@ The loop is in one of two states between steps:
 * pending: the target's logits for the next position are known (or being computed), and
   the caches hold all of `context` — plain decoding's state. A step without drafts samples
   from them and queues the next pass before reading the token back, as plain decoding
-  does; a drafting step uses them to check its first draft for free.
+  does.
 * unfed: the caches hold `context[:-1]`; the newest token (the replaced or bonus token of
-  the last verification) goes into the next pass, in front of the drafts. Going back to
-  pipelined plain steps from here costs one pass up front, which the policy's margin and
-  sceptical priors for short prompt-lookup matches keep rare.
+  the last verification) goes into the next pass, in front of the drafts.
+
+Drafts are only ever verified from the unfed state. When the policy wants to draft while
+logits are pending, the step first reads the pending token and commits it (a plain step
+that skips queuing its own pass), which leaves the loop unfed; the drafts then ride in one
+pass with that token. A draft that would have failed at its first token thus costs a
+short wait for the pending pass instead of a whole wasted pass, and feeding the newest
+token together with the drafts is cheaper than two passes (one pass of width K+1 costs far
+less than K+1 passes of width 1).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from engine.cache import KVCache, trim_caches
 from engine.drafters.base import Draft, Drafter
 from engine.events import TokenKind
 from engine.sampling import SamplingParams, log_probs
-from engine.steps import RawStep, choose, forward
+from engine.steps import RawStep, forward, pipelined_step, sample_next
 from engine.tuning import Choice, DraftPolicy
 from engine.verify import Verdict, verify_coupled, verify_rejection
 
@@ -40,24 +46,17 @@ def draft_step(drafter: Drafter | None, choice: Choice, context: Sequence[int],
 
 
 def verify_step(model, caches: Sequence[KVCache], context: Sequence[int], draft: Draft,
-                sampling: SamplingParams, accept: str,
-                pending: mx.array | None = None) -> Verdict:
-    """One target pass over the drafts; returns the accepted prefix plus one token.
+                sampling: SamplingParams, accept: str) -> Verdict:
+    """One target pass over [last, d1..dK]; returns the accepted prefix plus one token.
 
-    With `pending` (logits for the next position, newest token already cached) the pass
-    covers [d1..dK]; without, it covers [last, d1..dK]. Either way the caches gain rows the
-    caller trims to the committed length.
+    The caches gain K+1 rows, which the caller trims to the committed length.
     """
     t0 = len(context)
     # A draft model with a padded embedding may propose ids the target has no row for:
     # feed a stand-in (such a draft is always rejected, so later rows are never used).
     vocab = model.args.vocab_size
     fed = [t if t < vocab else 0 for t in draft.ids]
-    if pending is None:
-        logits = forward(model, [context[-1], *fed], caches)  # (K+1, V)
-    else:
-        fresh = forward(model, fed, caches)  # (K, V)
-        logits = mx.concatenate([pending[None], fresh], axis=0)  # (K+1, V)
+    logits = forward(model, [context[-1], *fed], caches)  # (K+1, V)
     histories = None
     if sampling.repetition_penalty != 1.0:
         base = list(context)
@@ -95,11 +94,24 @@ def speculative_steps(
     appended to with every committed token.
     """
     pending = logits
-    want_history = sampling.repetition_penalty != 1.0
+    carried: Choice | None = None  # a draft model's choice, kept across the pending read
     while True:
-        choice = policy.choose(context, pending is not None)
+        choice = carried or policy.choose(context)
+        carried = None
         drafter = drafters.get(choice.drafter) if choice.drafter else None
         t_start = time.perf_counter()
+        if pending is not None and choice.k > 0:
+            # drafting from the pending state: commit the pending token first, without
+            # queuing a pass for it; it is fed together with the drafts
+            tok, p = sample_next(pending, context, sampling)
+            token, prob = int(tok.item()), float(p.item())
+            pending = None
+            context.append(token)
+            # prompt lookup re-matches on the longer context; a model's choice stands
+            carried = choice if choice.drafter != "ngram" else None
+            yield RawStep([token], [TokenKind.TARGET], [prob],
+                          verify_s=time.perf_counter() - t_start, drafter="none")
+            continue
         draft = draft_step(drafter, choice, context, sampling, accept)
         t_drafted = time.perf_counter()
         if not draft.ids:
@@ -108,13 +120,7 @@ def speculative_steps(
             from_pending = pending is not None
             if pending is None:
                 pending = forward(model, [context[-1]], caches)[-1]
-            _, tok, p = choose(pending[None], sampling, [len(context)],
-                               [context] if want_history else None)
-            mx.async_eval(tok, p)  # its own event: reading it must not wait for the next pass
-            pending = model(tok[None], cache=list(caches))[0, -1]
-            mx.async_eval(pending)
-            token, prob = int(tok.item()), float(p.item())
-            context.append(token)
+            token, prob, pending = pipelined_step(model, caches, pending, context, sampling)
             t_end = time.perf_counter()
             # only a step that found its logits pending shows the steady plain cost
             step_s = t_end - t_start if from_pending else None
@@ -122,18 +128,15 @@ def speculative_steps(
             yield RawStep([token], [TokenKind.TARGET], [prob], verify_s=t_end - t_drafted,
                           drafter="none")
             continue
-        from_pending = pending is not None
-        verdict = verify_step(model, caches, context, draft, sampling, accept, pending)
-        pending = None
+        verdict = verify_step(model, caches, context, draft, sampling, accept)
         n = verdict.n_accepted
         trim_caches(caches, len(context) + n)
         context.extend([*draft.ids[:n], verdict.token])
         assert drafter is not None
         drafter.commit(context)
         t_end = time.perf_counter()
-        # a pass that also waited for the pending one says nothing about width K+1
-        policy.update(choice, len(draft), n, None if from_pending else t_end - t_drafted,
-                      len(draft) + 1, t_end - t_start, n + 1)
+        policy.update(choice, len(draft), n, t_end - t_drafted, len(draft) + 1,
+                      t_end - t_start, n + 1)
         yield RawStep(list(draft.ids) + [verdict.token], step_kinds(len(draft), n),
                       [*verdict.draft_probs, verdict.token_prob], n_drafted=len(draft),
                       n_accepted=n, draft_s=t_drafted - t_start, verify_s=t_end - t_drafted,

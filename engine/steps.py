@@ -75,6 +75,31 @@ def choose(logits: mx.array, params: SamplingParams, positions: Sequence[int],
     return lp, ids, p
 
 
+def sample_next(logits: mx.array, context: Sequence[int],
+                params: SamplingParams) -> tuple[mx.array, mx.array]:
+    """The token at position `len(context)` from its logits (V,), and its probability."""
+    history = [context] if params.repetition_penalty != 1.0 else None
+    _, tok, p = choose(logits[None], params, [len(context)], history)
+    return tok, p
+
+
+def pipelined_step(model, caches: Sequence[KVCache], logits: mx.array, context: list[int],
+                   params: SamplingParams) -> tuple[int, float, mx.array]:
+    """Sample the token at `len(context)` from `logits` (V,), append it, and queue the pass
+    that feeds it; returns (token, its probability, that pass's logits for the next one).
+
+    The pass is queued behind the sampling before the token is read back, so the machine
+    starts it the moment the token exists while the host is still busy with the last step.
+    """
+    tok, p = sample_next(logits, context, params)
+    mx.async_eval(tok, p)  # its own event: reading it must not wait for the next pass
+    nxt = model(tok[None], cache=list(caches))[0, -1]
+    mx.async_eval(nxt)
+    token, prob = int(tok.item()), float(p.item())
+    context.append(token)
+    return token, prob, nxt
+
+
 def plain_steps(
     model,
     caches: Sequence[KVCache],
@@ -82,25 +107,12 @@ def plain_steps(
     context: list[int],
     params: SamplingParams,
 ) -> Iterator[RawStep]:
-    """Plain decoding: one target pass per token, pipelined.
+    """Plain decoding: one target pass per token, pipelined (see `pipelined_step`).
 
-    The next forward pass is queued (`async_eval`) before the current token is read back, so
-    the host never waits idle between passes. `context` holds the committed ids and is
-    appended to; the caches hold every committed id except the newest (it is fed by the next
-    pass), which the driver accounts for when it stops.
+    `context` holds the committed ids and is appended to; the caches also hold the newest
+    one's row once its pass runs, which the driver trims away when it stops.
     """
-    want_history = params.repetition_penalty != 1.0
-    _, tok, p = choose(logits[None], params, [len(context)], [context] if want_history else None)
-    mx.async_eval(tok, p)
     while True:
         t0 = time.perf_counter()
-        nxt_logits = model(tok[None], cache=list(caches))[0, -1]
-        pos = len(context) + 1
-        tid = tok.item()
-        prob = p.item()
-        context.append(tid)
-        _, nxt_tok, nxt_p = choose(nxt_logits[None], params, [pos],
-                                   [context] if want_history else None)
-        mx.async_eval(nxt_tok, nxt_p)
-        yield RawStep([tid], [TokenKind.TARGET], [prob], verify_s=time.perf_counter() - t0)
-        tok, p = nxt_tok, nxt_p
+        token, prob, logits = pipelined_step(model, caches, logits, context, params)
+        yield RawStep([token], [TokenKind.TARGET], [prob], verify_s=time.perf_counter() - t0)

@@ -70,21 +70,18 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
-           pending: bool = False) -> tuple[int, float]:
+def best_k(alpha: float, draft_s: float, costs: CostModel,
+           k_max: int = K_MAX) -> tuple[int, float]:
     """The K in [0, k_max] with the highest expected tokens/s, and that rate.
 
-    `pending`: the target's logits for the next position are already being computed (the
-    loop is in its plain, pipelined state). They check the first draft for free, so the
-    step's own pass has width K instead of K+1. Drafting must beat plain by DRAFT_MARGIN,
-    which covers the per-step work the pipelined plain path hides.
+    Drafting must beat plain by DRAFT_MARGIN, which covers the per-step work the pipelined
+    plain path hides.
     """
     widths = [costs.verify(w) for w in range(k_max + 2)]  # widths[w]: one pass of width w
     plain = 1.0 / widths[1]
     best = (0, plain)
     for k in range(1, k_max + 1):
-        verify = widths[k] if pending else widths[k + 1]
-        rate = expected_tokens(alpha, k) / (k * draft_s + verify)
+        rate = expected_tokens(alpha, k) / (k * draft_s + widths[k + 1])
         if rate > best[1]:
             best = (k, rate)
     if best[0] and best[1] < plain * (1.0 + DRAFT_MARGIN):
@@ -280,8 +277,8 @@ class DraftPolicy:
     def _estimate_key(self, name: str, match_len: int) -> str:
         return f"ngram{min(max(match_len, 2), 4)}" if name == "ngram" else name
 
-    def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
-        """The next step's drafter and K; `pending` as in `best_k`."""
+    def choose(self, context: Sequence[int]) -> Choice:
+        """The next step's drafter and K."""
         best = Choice(None, 0)
         best_rate = 0.0 if self.costs is None else 1.0 / self.costs.verify(1)
         self.memory.steps += 1
@@ -300,7 +297,7 @@ class DraftPolicy:
             else:
                 estimate = self.estimates.setdefault(key, AcceptanceEstimate(0.5))
                 k, rate = best_k(estimate.alpha, self.costs.draft_s.get(name, 0.0),
-                                 self.costs, limit, pending)
+                                 self.costs, limit)
             if k > 0 and rate > best_rate:
                 best, best_rate = Choice(name, k, key), rate
         if best.drafter is not None:
@@ -308,19 +305,19 @@ class DraftPolicy:
             return best
         self.memory.idle += 1
         if self.memory.idle >= PROBE_EVERY:
-            probe = next((d for d in self._candidates() if self._worth_probing(d, pending)),
+            probe = next((d for d in self._candidates() if self._worth_probing(d)),
                          None)
             if probe is not None:
                 self.memory.idle = 0
                 return Choice(probe, 2, probe)
         return best
 
-    def _worth_probing(self, name: str, pending: bool) -> bool:
+    def _worth_probing(self, name: str) -> bool:
         """Whether a drafter now at K = 0 could pay if its acceptance recovered."""
         if name == "ngram" or self._is_benched(name) or self.costs is None:
             return False
         draft_s = self.costs.draft_s.get(name, 0.0)
-        return best_k(OPTIMISTIC_ACCEPTANCE, draft_s, self.costs, 4, pending)[0] > 0
+        return best_k(OPTIMISTIC_ACCEPTANCE, draft_s, self.costs, 4)[0] > 0
 
     def update(self, choice: Choice, n_drafted: int, n_accepted: int,
                seconds: float | None = None, width: int | None = None,
