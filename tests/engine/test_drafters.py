@@ -85,6 +85,24 @@ def test_ngram_matches_the_reference(ctx: list[int], k: int) -> None:
     assert NgramDrafter().match(ctx, k) == reference_match(ctx, k)
 
 
+
+SHARED = NgramDrafter()  # one index carried across examples, as a session carries it
+
+
+@settings(max_examples=300, deadline=None)
+@given(ctx=st.lists(st.integers(0, 3), max_size=30), grow=st.lists(st.integers(0, 3), max_size=8),
+       k=st.integers(1, 20))
+def test_ngram_index_follows_growing_shrinking_and_new_contexts(
+        ctx: list[int], grow: list[int], k: int) -> None:
+    # the shared drafter last saw some other example's context: it must notice the change
+    assert SHARED.match(ctx, k) == reference_match(ctx, k)
+    for t in grow:  # then grows token by token, as during a reply
+        ctx = [*ctx, t]
+        assert SHARED.match(ctx, k) == reference_match(ctx, k)
+    shorter = ctx[: len(ctx) // 2]  # and a trimmed context, as after a new prompt
+    assert SHARED.match(shorter, k) == reference_match(shorter, k)
+
+
 # ----------------------------------------------------------------------------- model drafter
 
 
