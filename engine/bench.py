@@ -1,26 +1,32 @@
 """The harness behind `understudy bench`: plain vs speculative, in one process.
 
-Each prompt runs in every mode, modes alternating, after one warm-up reply per mode, so
-both see the same machine state. Speedups are ratios of decode times measured in the same
-run; never compare figures across runs or machines.
+Each prompt runs in every mode after one warm-up reply per mode. The modes' replies to a
+prompt are generated side by side, taking turns every few steps, so both see the same
+moments of the machine. Speedups are ratios of decode times measured in the same run;
+never compare figures across runs or machines.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import mlx.core as mx
 
 from engine.decode import ChatSession, GenerateOptions
 from engine.errors import EngineError
-from engine.events import Finished, Stats
+from engine.events import Finished, PromptProgress, Stats, Step
 from engine.sampling import SamplingParams
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "resources" / "bench" / "prompts.jsonl"
 MODES = ("plain", "spec")
+SLICE_STEPS = 8  # steps one mode runs before the next mode's turn (about a second here)
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,47 @@ def run_once(session: ChatSession, messages: list[dict[str, str]],
     return Run(finished.text, finished.stats)
 
 
+def run_side_by_side(sessions: Mapping[str, ChatSession], messages: list[dict[str, str]],
+                     options: Mapping[str, GenerateOptions], order: Sequence[str]) -> dict[str, Run]:
+    """Every mode's reply to one prompt from cold caches, the modes taking turns of
+    SLICE_STEPS steps; each mode's decode time is the sum of its own turns.
+
+    A turn is timed until the work it queued has finished (mx.synchronize), so no mode is
+    charged for another's. Whole replies one after the other sit ten seconds apart on a
+    shared machine, and their ratio swung by several percent from run to run; turns of a
+    second see the same load.
+    """
+    streams: dict[str, Iterator] = {}
+    for mode in order:
+        sessions[mode].reset()
+        events = iter(sessions[mode].generate(messages, options[mode]))
+        first = next(events)  # the prefill runs here: prompt time, reported by Stats
+        streams[mode] = events if isinstance(first, PromptProgress) else itertools.chain(
+            [first], events)
+    mx.synchronize()
+    decode_s = dict.fromkeys(order, 0.0)
+    finished: dict[str, Finished] = {}
+    while len(finished) < len(order):
+        for mode in order:
+            if mode in finished:
+                continue
+            t0 = time.perf_counter()
+            steps = 0
+            for ev in streams[mode]:
+                if isinstance(ev, Finished):
+                    finished[mode] = ev
+                    break
+                if isinstance(ev, Step):
+                    steps += 1
+                    if steps == SLICE_STEPS:
+                        break
+            else:
+                raise RuntimeError(f"{mode}: the reply ended without a Finished event")
+            mx.synchronize()
+            decode_s[mode] += time.perf_counter() - t0
+    return {m: Run(f.text, replace(f.stats, decode_s=decode_s[m])) for m, f in finished.items()}
+
+
 def mlx_lm_decode_tps(model_path: Path, prompts: Sequence[BenchPrompt], max_tokens: int) -> float:
     """mlx-lm's own plain decode speed over the same prompts (same folder, its own loader)."""
     try:
@@ -144,7 +191,7 @@ def mlx_lm_decode_tps(model_path: Path, prompts: Sequence[BenchPrompt], max_toke
 
 def run_bench(session: ChatSession, prompts: Sequence[BenchPrompt], modes: Iterable[str],
               spec_options: GenerateOptions, log=None) -> dict:
-    """Run every prompt in every mode (alternating); return the report dict."""
+    """Run every prompt in every mode (side by side); return the report dict."""
     modes = tuple(modes)
     bad = [m for m in modes if m not in MODES]
     if bad:
@@ -152,12 +199,15 @@ def run_bench(session: ChatSession, prompts: Sequence[BenchPrompt], modes: Itera
     plain_options = GenerateOptions(max_tokens=spec_options.max_tokens,
                                     sampling=spec_options.sampling, stop=spec_options.stop)
     options = {"plain": plain_options, "spec": spec_options}
+    # plain replies get their own caches over the same loaded weights
+    sessions = {"spec": session, "plain": ChatSession(session.target) if "spec" in modes
+                else session}
     for m in modes:  # warm-up: compile, allocate, calibrate
-        run_once(session, prompts[0].messages, options[m])
+        run_once(sessions[m], prompts[0].messages, options[m])
     rows, categories, overall = [], {}, Totals()
     for i, p in enumerate(prompts):
         order = modes if i % 2 == 0 else tuple(reversed(modes))
-        runs = {m: run_once(session, p.messages, options[m]) for m in order}
+        runs = run_side_by_side(sessions, p.messages, options, order)
         t = Totals()
         t.add(runs.get("plain"), runs.get("spec"))
         overall.add(runs.get("plain"), runs.get("spec"))

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from app.cli import main
-from engine.bench import DEFAULT_PROMPTS, BenchPrompt, load_prompts, run_bench
+from engine.bench import (
+    DEFAULT_PROMPTS,
+    BenchPrompt,
+    load_prompts,
+    run_bench,
+    run_once,
+    run_side_by_side,
+)
 from engine.decode import ChatSession, GenerateOptions
 from engine.errors import EngineError
 from engine.loading import load_model
@@ -62,6 +70,28 @@ def test_run_bench_report(session: ChatSession) -> None:
     assert all(r["identical"] is True for r in report["prompts"])  # coupled: same text
     assert report["overall"]["identical"] is True
     assert len(lines) == 3 and "greet" in lines[0] and "identical" in lines[0]
+
+
+def test_side_by_side_replies_equal_one_at_a_time_replies(session: ChatSession) -> None:
+    """Taking turns must not let the modes disturb each other: same texts and token counts
+    as replies generated alone, and each mode's time is its own turns only."""
+    plain_session = ChatSession(session.target)
+    options = {"plain": GenerateOptions(max_tokens=24),
+               "spec": GenerateOptions(max_tokens=24, drafter="model", k=2)}
+    sessions = {"plain": plain_session, "spec": session}
+    for p in PROMPTS:
+        alone = {m: run_once(sessions[m], p.messages, options[m]) for m in options}
+        t0 = time.perf_counter()
+        together = run_side_by_side(sessions, p.messages, options, ("spec", "plain"))
+        wall = time.perf_counter() - t0
+        for m in options:
+            assert together[m].text == alone[m].text
+            assert together[m].stats.generated_tokens == alone[m].stats.generated_tokens
+            assert together[m].stats.target_passes == alone[m].stats.target_passes
+            assert together[m].stats.decode_s > 0
+        # each mode is charged only its own turns: the two add up to less than the whole
+        assert sum(r.stats.decode_s for r in together.values()) < wall
+        assert together["plain"].stats.target_passes == together["plain"].stats.generated_tokens
 
 
 def test_run_bench_flags_different_text(session: ChatSession) -> None:
