@@ -143,9 +143,12 @@ def run_side_by_side(sessions: Mapping[str, ChatSession], messages: list[dict[st
     for mode in order:
         sessions[mode].reset()
         events = iter(sessions[mode].generate(messages, options[mode]))
-        first = next(events)  # the prefill runs here: prompt time, reported by Stats
-        streams[mode] = events if isinstance(first, PromptProgress) else itertools.chain(
-            [first], events)
+        # the prefill runs until its last progress event: prompt time, reported by Stats
+        ev = next(events)
+        while isinstance(ev, PromptProgress) and ev.done < ev.total:
+            ev = next(events)
+        streams[mode] = events if isinstance(ev, PromptProgress) else itertools.chain(
+            [ev], events)
     mx.synchronize()
     decode_s = dict.fromkeys(order, 0.0)
     finished: dict[str, Finished] = {}

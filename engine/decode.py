@@ -211,28 +211,27 @@ class ChatSession:
         self.stats = stats
         t_start = time.perf_counter()
         reused = self._reuse_prefix(prompt_ids)
-        # speculative steps feed the newest token themselves, so prefill stops one short
-        end = len(prompt_ids) if policy is None else len(prompt_ids) - 1
-        todo = prompt_ids[reused:end]
-        progress: list[PromptProgress] = []
+        todo = prompt_ids[reused:]
         logits = None
-        if todo:
-            logits = prefill(self.target.model, todo, self.caches_tgt, options.prefill_chunk,
-                             lambda d, t: progress.append(PromptProgress(reused + d, end)))
-        yield from progress
-        stats = replace(stats, prefilled_tokens=len(todo) + (policy is not None),
-                        prompt_s=time.perf_counter() - t_start)
+        waited = 0.0  # time the consumer held a progress event: not prompt time
+        for done, chunk_logits in prefill(self.target.model, todo, self.caches_tgt,
+                                          options.prefill_chunk):
+            logits = chunk_logits
+            t_yield = time.perf_counter()
+            yield PromptProgress(reused + done, len(prompt_ids))
+            waited += time.perf_counter() - t_yield
+        assert logits is not None  # _reuse_prefix always leaves the last token to compute
+        stats = replace(stats, prefilled_tokens=len(todo),
+                        prompt_s=time.perf_counter() - t_start - waited)
         self.stats = stats
 
         context = list(prompt_ids)
         steps: Iterator[RawStep]
         if policy is None:
-            assert logits is not None
             steps = plain_steps(self.target.model, self.caches_tgt, logits, context,
                                 options.sampling)
         else:
-            # prefill stopped one short: the first verify pass feeds the newest prompt token
-            steps = speculative_steps(self.target.model, self.caches_tgt, context, None,
+            steps = speculative_steps(self.target.model, self.caches_tgt, context, logits,
                                       options.sampling, options.accept, self._drafters, policy)
         yield from self._drive(steps, context, len(prompt_ids), options, cancel, stats)
 

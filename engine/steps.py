@@ -42,23 +42,17 @@ def prefill(
     ids: Sequence[int],
     caches: Sequence[KVCache],
     chunk: int,
-    on_chunk=None,
-) -> mx.array:
-    """Feed `ids` in chunks of `chunk` tokens; returns the logits of the last one (V,).
+) -> Iterator[tuple[int, mx.array]]:
+    """Feed `ids` in chunks of `chunk` tokens, yielding (tokens done, last logits (V,))
+    after each chunk is computed; the final pair holds the logits of the last token.
 
     Chunking bounds the attention working set for long prompts and lets the GUI show
-    progress. `on_chunk(done, total)` is called after each chunk is computed.
+    progress while the prompt is read.
     """
-    total = len(ids)
-    logits = None
-    for start in range(0, total, chunk):
-        part = ids[start : start + chunk]
-        logits = forward(model, part, caches)[-1]
+    for start in range(0, len(ids), chunk):
+        logits = forward(model, ids[start : start + chunk], caches)[-1]
         mx.eval(logits)
-        if on_chunk is not None:
-            on_chunk(min(start + chunk, total), total)
-    assert logits is not None
-    return logits
+        yield min(start + chunk, len(ids)), logits
 
 
 def choose(logits: mx.array, params: SamplingParams, positions: Sequence[int],

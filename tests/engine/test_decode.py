@@ -8,6 +8,7 @@ four byte tokens, eos ids taken from config.json or generation_config.json.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 from collections.abc import Sequence
@@ -258,6 +259,12 @@ def test_prompt_prefilled_in_chunks_with_progress(tiny: LoadedModel) -> None:
     assert all(isinstance(e, PromptProgress) for e in events[:first_step])
     whole = list(ChatSession(tiny).generate_ids(ids, GenerateOptions(max_tokens=4)))
     assert [e for e in whole if isinstance(e, PromptProgress)] == [PromptProgress(13, 13)]
+    # progress is live: each event arrives as its chunk is done, not after the whole prompt
+    session = ChatSession(tiny)
+    stream = session.generate_ids(ids, GenerateOptions(max_tokens=4, prefill_chunk=4))
+    seen = [(ev.done, session.cache_lengths()["target"]) for ev in itertools.islice(stream, 3)]
+    assert seen == [(4, 4), (8, 8), (12, 12)]
+    stream.close()
     assert whole[-1].token_ids == events[-1].token_ids  # chunking changes nothing
 
 

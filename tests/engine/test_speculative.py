@@ -126,7 +126,9 @@ def test_speculative_text_equals_plain_text(session: ChatSession, drafter: str,
             assert spec.text == plain.text
             assert spec.stats.finish_reason == plain.stats.finish_reason
             if drafter in ("model", "layerskip") and spec_opts.k:
-                assert all(s.n_drafted for s in steps)
+                # the prefill's own token comes first, then every step drafts
+                assert steps[0].n_drafted == 0 and len(steps[0].tokens) == 1
+                assert all(s.n_drafted for s in steps[1:])
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
@@ -142,7 +144,8 @@ def test_self_draft_accepts_everything_and_still_matches(self_session: ChatSessi
     if drafter == "model":
         assert spec.stats.acceptance == 1.0
         assert spec.stats.tau > 4.0  # k + 1 tokens per pass, except at the end
-        assert all(s.tokens[-1].kind is TokenKind.BONUS for s in steps[:-1])
+        assert steps[0].tokens[-1].kind is TokenKind.TARGET  # the prefill's own token
+        assert all(s.tokens[-1].kind is TokenKind.BONUS for s in steps[1:-1])
 
 
 def test_stop_strings_cut_speculative_text_where_plain_stops(session: ChatSession) -> None:
@@ -246,8 +249,13 @@ def test_model_drafter_accounting_and_cache_lengths(session: ChatSession,
         if isinstance(event, Step):
             steps.append(event)
             generated += len(event.committed)
+            n = n_prompt + generated - 1
+            if len(steps) == 1:
+                # the prefill's own token: committed before any drafting, fed with the drafts
+                assert event.n_drafted == 0 and generated == 1
+                assert session.cache_lengths()["target"] == n
+                continue
             if len(event.committed) == event.n_accepted + 1:  # not cut short at the end
-                n = n_prompt + generated - 1
                 assert session.cache_lengths() == {"target": n, "draft": n}
             assert event.k == k and event.n_drafted == k and event.drafter == "model"
         elif isinstance(event, Finished):
@@ -351,7 +359,9 @@ def test_prefix_reuse_is_exact_at_the_token_level(
     draft_calls.fed.clear()
     _, second = run(session, options, ids=p2)
     assert second.stats.prefilled_tokens == len(p2) - n_cached <= len(new) + 1
-    assert draft_calls.fed[0] <= len(new)
+    # the draft model's catch-up: the new tokens, at most the last reply's newest one and
+    # the prefill's own token, never the whole history
+    assert draft_calls.fed[0] <= len(new) + 2
 
     session.reset()
     _, cold = run(session, options, ids=p2)
