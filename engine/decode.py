@@ -164,12 +164,8 @@ class ChatSession:
             costs = self._costs = self._costs or self._calibrate()
         ngram = self._drafters["ngram"]
         assert isinstance(ngram, NgramDrafter)
-        def ngram_match(ctx: Sequence[int], k: int) -> tuple[int, int]:
-            tokens, n = ngram.match_with_length(ctx, k)
-            return len(tokens), n
-
         memory = self._policy_memory.setdefault(mode, PolicyMemory())
-        return DraftPolicy(mode, available, costs, options.k, ngram_match, memory)
+        return DraftPolicy(mode, available, costs, options.k, ngram.match_with_length, memory)
 
     def _calibrate(self) -> CostModel:
         """Measure pass costs once per model/draft/backend; cached on disk."""

@@ -106,9 +106,15 @@ def speculative_steps(
             tok, p = sample_next(pending, context, sampling)
             token, prob = int(tok.item()), float(p.item())
             pending = None
+            guessed = policy.observe(token)
             context.append(token)
-            # prompt lookup re-matches on the longer context; a model's choice stands
-            carried = choice if choice.drafter != "ngram" else None
+            if choice.drafter != "ngram":
+                carried = choice  # a model's choice stands
+            elif guessed is False:
+                # prompt lookup guessed this very token wrong: the text is not being copied
+                # here, so the next step takes no draft rather than a fresh gamble
+                carried = Choice(None, 0)
+            # else prompt lookup re-matches on the longer context
             yield RawStep([token], [TokenKind.TARGET], [prob],
                           verify_s=time.perf_counter() - t_start, drafter="none")
             continue
@@ -121,6 +127,7 @@ def speculative_steps(
             if pending is None:
                 pending = forward(model, [context[-1]], caches)[-1]
             token, prob, pending = pipelined_step(model, caches, pending, context, sampling)
+            policy.observe(token)
             t_end = time.perf_counter()
             # only a step that found its logits pending shows the steady plain cost
             step_s = t_end - t_start if from_pending else None
@@ -130,6 +137,8 @@ def speculative_steps(
             continue
         verdict = verify_step(model, caches, context, draft, sampling, accept)
         n = verdict.n_accepted
+        if choice.drafter != "ngram":  # a prompt-lookup draft is scored by `update`
+            policy.observe(draft.ids[0] if n else verdict.token)
         trim_caches(caches, len(context) + n)
         context.extend([*draft.ids[:n], verdict.token])
         assert drafter is not None

@@ -29,7 +29,8 @@ DRAFT_MARGIN = 0.15
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
 PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
 GUARD_MIN_STEPS = 2  # steps of a drafter before its realized speed can bench it
-GUARD_RETRY = 256  # steps after which a benched drafter gets one more chance
+GUARD_RETRY = 1024  # steps after which a benched drafter gets one more chance (a losing
+# probe of a drafter that costs half a target pass per token wastes a few steps)
 
 
 @dataclass
@@ -223,13 +224,18 @@ class DraftPolicy:
 
     `mode` is a drafter name or "auto" (among `available`). `fixed_k` pins K. A drafter that
     keeps failing falls to K = 0, with a short probe every PROBE_EVERY steps so it can recover.
-    `ngram_match(context, k)` reports how many tokens prompt lookup could draft now and the
+    `ngram_match(context, k)` returns the tokens prompt lookup would draft now and the
     length of the matched suffix; each length keeps its own acceptance estimate.
+
+    Prompt lookup's guesses are free to check: when a step does not verify them in a pass,
+    the token it commits next says whether the first guess was right (`observe`). So its
+    estimates learn on every matched step without the policy paying to explore.
     """
 
     def __init__(self, mode: str, available: Sequence[str], costs: CostModel | None,
                  fixed_k: int | None = None,
-                 ngram_match: Callable[[Sequence[int], int], tuple[int, int]] | None = None,
+                 ngram_match: Callable[[Sequence[int], int],
+                                       tuple[Sequence[int], int]] | None = None,
                  memory: PolicyMemory | None = None) -> None:
         self.mode = mode
         self.available = tuple(available)
@@ -237,6 +243,7 @@ class DraftPolicy:
         self.fixed_k = fixed_k
         self.ngram_match = ngram_match
         self.memory = memory if memory is not None else PolicyMemory()
+        self._guess: tuple[str, int] | None = None  # (estimate key, guessed next token)
 
     @property
     def estimates(self) -> dict[str, AcceptanceEstimate]:
@@ -282,13 +289,16 @@ class DraftPolicy:
         best = Choice(None, 0)
         best_rate = 0.0 if self.costs is None else 1.0 / self.costs.verify(1)
         self.memory.steps += 1
+        self._guess = None
         for name in self._candidates():
             limit = self.fixed_k or K_MAX
             match_len = 0
             if name == "ngram" and self.ngram_match is not None:
-                limit, match_len = self.ngram_match(context, limit)
-                if limit == 0:
+                tokens, match_len = self.ngram_match(context, limit)
+                if not tokens:
                     continue
+                limit = len(tokens)
+                self._guess = (self._estimate_key(name, match_len), tokens[0])
             key = self._estimate_key(name, match_len)
             if self._is_benched(key):
                 continue
@@ -318,6 +328,18 @@ class DraftPolicy:
             return False
         draft_s = self.costs.draft_s.get(name, 0.0)
         return best_k(OPTIMISTIC_ACCEPTANCE, draft_s, self.costs, 4)[0] > 0
+
+    def observe(self, token: int) -> bool | None:
+        """The token committed right after `choose` where prompt lookup's guess went unused:
+        one free observation of its acceptance. Returns whether the guess was right (None
+        when there was none)."""
+        if self._guess is None:
+            return None
+        key, guess = self._guess
+        self._guess = None
+        if self.costs is not None and self.fixed_k is None:
+            self.estimates.setdefault(key, AcceptanceEstimate(0.5)).update(1, int(token == guess))
+        return token == guess
 
     def update(self, choice: Choice, n_drafted: int, n_accepted: int,
                seconds: float | None = None, width: int | None = None,

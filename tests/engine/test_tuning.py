@@ -18,6 +18,7 @@ from engine.tuning import (
     K_MAX,
     PROBE_EVERY,
     AcceptanceEstimate,
+    Choice,
     CostModel,
     DraftPolicy,
     PolicyMemory,
@@ -141,10 +142,9 @@ def test_acceptance_estimate_tracks_the_observed_rate(true_alpha: float) -> None
 # ----------------------------------------------------------------------------- policy
 
 
-def ngram_match(context: Sequence[int], k: int) -> tuple[int, int]:
-    """What ChatSession hands the policy: tokens prompt lookup could draft, suffix length."""
-    tokens, n = NgramDrafter().match_with_length(context, k)
-    return len(tokens), n
+def ngram_match(context: Sequence[int], k: int) -> tuple[tuple[int, ...], int]:
+    """What ChatSession hands the policy: tokens prompt lookup would draft, suffix length."""
+    return NgramDrafter().match_with_length(context, k)
 
 
 REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5]  # suffix 1..5 seen; 6..5 followed
@@ -165,7 +165,7 @@ def test_ngram_mode_without_a_match_takes_a_plain_step() -> None:
     assert policy.choose(FRESH).drafter is None
     choice = policy.choose(REPEATING)
     assert choice.drafter == "ngram"
-    assert 1 <= choice.k <= ngram_match(REPEATING, K_MAX)[0] == 10  # at most what follows
+    assert 1 <= choice.k <= len(ngram_match(REPEATING, K_MAX)[0]) == 10  # at most what follows
 
 
 def test_auto_picks_ngram_when_it_has_a_match() -> None:
@@ -173,6 +173,25 @@ def test_auto_picks_ngram_when_it_has_a_match() -> None:
                          ngram_match=ngram_match)
     assert policy.choose(REPEATING).drafter == "ngram"
     assert policy.choose(FRESH).drafter in ("model", "layerskip")
+
+
+def test_free_checks_of_prompt_lookup_guesses_teach_the_policy() -> None:
+    """A short match starts below the drafting threshold; the tokens the plain steps commit
+    show whether its guesses were right, and only right guesses make it draft."""
+    ctx = [1, 2, 3, 9, 1, 2]  # suffix (1, 2) matched once: guesses 3
+
+    def after(committed: int) -> tuple[Choice, Choice]:
+        policy = DraftPolicy("auto", ("ngram",), COSTS, ngram_match=ngram_match)
+        first = policy.choose(ctx)
+        for _ in range(12):
+            policy.observe(committed)
+            policy.choose(ctx)
+        return first, policy.choose(ctx)
+
+    first, later = after(3)
+    assert first.drafter is None and later.drafter == "ngram"
+    first, later = after(4)  # negative control: wrong guesses teach it nothing good
+    assert first.drafter is None and later.drafter is None
 
 
 def test_a_failing_drafter_falls_back_to_plain_steps_then_probes() -> None:
