@@ -55,25 +55,18 @@ def prefill(
         yield min(start + chunk, len(ids)), logits
 
 
-def choose(logits: mx.array, params: SamplingParams, positions: Sequence[int],
-           histories: Sequence[Sequence[int]] | None) -> tuple[mx.array, mx.array, mx.array]:
-    """The target's distribution and coupled sample for each row of `logits` (N, V).
+def sample_next(logits: mx.array, context: Sequence[int],
+                params: SamplingParams) -> tuple[mx.array, mx.array]:
+    """The target's coupled sample for position `len(context)` from its logits (V,), and
+    that token's probability (both lazy, shape (1,)).
 
-    Returns (log-probabilities (N, V), chosen ids (N,), probability of each chosen id (N,)).
     The token at absolute position t depends only on the distribution, the seed and t —
     the property that makes speculative output identical to plain output.
     """
-    lp = log_probs(logits, params, histories)
-    ids = sample_coupled(lp, params.seed, positions)
-    p = mx.exp(mx.take_along_axis(lp, ids[:, None], axis=-1)[:, 0])
-    return lp, ids, p
-
-
-def sample_next(logits: mx.array, context: Sequence[int],
-                params: SamplingParams) -> tuple[mx.array, mx.array]:
-    """The token at position `len(context)` from its logits (V,), and its probability."""
     history = [context] if params.repetition_penalty != 1.0 else None
-    _, tok, p = choose(logits[None], params, [len(context)], history)
+    lp = log_probs(logits[None], params, history)
+    tok = sample_coupled(lp, params.seed, [len(context)])
+    p = mx.exp(mx.take_along_axis(lp, tok[:, None], axis=-1)[:, 0])
     return tok, p
 
 
