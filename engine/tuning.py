@@ -40,16 +40,29 @@ class CostModel:
     verify_s: dict[int, float]
     draft_s: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        # verify() for every width up to K_MAX + 1, rebuilt after a change: the policy asks
+        # for the whole curve every step, and the step's host time competes with the pass
+        self._curve: list[float] | None = None
+
     def observe(self, width: int, seconds: float) -> None:
         """Fold a measured pass into the table, so costs follow the machine's load."""
         old = self.verify_s.get(width)
         self.verify_s[width] = seconds if old is None else old + COST_EMA * (seconds - old)
+        self._curve = None
 
     def verify(self, width: int) -> float:
         """Seconds for one target pass over `width` tokens (linear between measurements).
 
         Never less for a wider pass: noisy timings must not make drafting look free.
         """
+        if self._curve is None:
+            self._curve = [self._interpolate(w) for w in range(K_MAX + 2)]
+        if 0 <= width < len(self._curve):
+            return self._curve[width]
+        return self._interpolate(width)
+
+    def _interpolate(self, width: int) -> float:
         pts = []
         for w, sec in sorted(self.verify_s.items()):
             pts.append((w, max(sec, pts[-1][1]) if pts else sec))
@@ -314,7 +327,7 @@ class DraftPolicy:
             self.memory.idle = 0
             return best
         self.memory.idle += 1
-        if self.memory.idle >= PROBE_EVERY:
+        if self.memory.idle % PROBE_EVERY == 0:
             probe = next((d for d in self._candidates() if self._worth_probing(d)),
                          None)
             if probe is not None:

@@ -15,6 +15,7 @@ from engine.loading import load_model
 from engine.paths import cache_dir
 from engine.tuning import (
     CALIBRATION_WIDTHS,
+    COST_EMA,
     K_MAX,
     PROBE_EVERY,
     AcceptanceEstimate,
@@ -67,6 +68,15 @@ def test_cost_model_interpolates_and_extrapolates() -> None:
     assert costs.verify(6) == pytest.approx(5.0)
     assert costs.verify(12) == pytest.approx(8.0)  # the last slope continues
     assert costs.verify(0) == 1.0  # never below the narrowest measurement
+
+
+def test_cost_curve_follows_every_observed_pass() -> None:
+    costs = CostModel({1: 1.0, 4: 4.0})
+    assert costs.verify(4) == 4.0 and costs.verify(2) == pytest.approx(2.0)
+    costs.observe(4, 9.0)  # the running cost moves a COST_EMA step towards 9.0
+    assert costs.verify(4) == pytest.approx(4.0 + COST_EMA * 5.0)
+    assert costs.verify(2) == pytest.approx(1.0 + (3.0 + COST_EMA * 5.0) / 3)
+    assert costs.verify(40) > costs.verify(16) > costs.verify(4)  # past the cached widths
 
 
 def test_best_k_is_large_when_acceptance_is_near_one_and_verify_is_flat() -> None:
