@@ -19,6 +19,7 @@ import pytest
 from engine.cache import make_caches
 from engine.loading import load_weights
 from engine.models import ModelArgs
+from engine.models.decoder import NARROW_ROWS, Linear
 from tests.fixtures.tiny_models import write_tiny_model
 
 mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
@@ -136,7 +137,8 @@ def test_incremental_decoding_matches_full_forward(
     pieces = [model(TOKENS[:, :5], cache=caches)]
     for t in range(5, 8):
         pieces.append(model(TOKENS[:, t : t + 1], cache=caches))
-    pieces.append(model(TOKENS[:, 8:], cache=caches))  # a verify-style chunk of 4
+    pieces.append(model(TOKENS[:, 8:10], cache=caches))  # verify-style chunks: 2 rows
+    pieces.append(model(TOKENS[:, 10:], cache=caches))  # and 2 more (narrow products)
     assert caches[0].offset == TOKENS.shape[1]
     assert rel_err(mx.concatenate(pieces, axis=1), full) < 1e-4
 
@@ -152,7 +154,7 @@ def test_quantized_layers_kept_or_dequantized(model_dirs: dict[str, Path]) -> No
     assert kept.model.norm.weight.dtype == mx.bfloat16
 
     cpu, _ = load_weights(path, backend="cpu")
-    assert type(cpu.model.layers[0].self_attn.q_proj) is nn.Linear
+    assert type(cpu.model.layers[0].self_attn.q_proj) is Linear
     assert type(cpu.model.embed_tokens) is nn.Embedding
     from mlx.utils import tree_flatten
 
@@ -181,3 +183,18 @@ def test_demo_model_matches_mlx_lm(
     oracle.set_dtype(mx.float32)  # the CPU policy's precision, for a like-for-like check
     cpu, _ = load_weights(folder, backend="cpu")
     assert rel_err(cpu(tokens), oracle(tokens)) < 1e-4
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, *NARROW_ROWS, 4, 9])
+def test_narrow_products_equal_the_usual_linear(rows: int, bias: bool) -> None:
+    """The 2-3 row path (W @ x.T) computes what nn.Linear computes, for 2-D and 3-D inputs."""
+    mx.random.seed(rows)
+    ours = Linear(48, 80, bias=bias)
+    ref = nn.Linear(48, 80, bias=bias)
+    ref.update(ours.parameters())
+    x = mx.random.normal((1, rows, 48))
+    for inp in (x, x[0]):
+        got, want = ours(inp), ref(inp)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
