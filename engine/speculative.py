@@ -108,13 +108,10 @@ def speculative_steps(
             pending = None
             guessed = policy.observe(token)
             context.append(token)
-            if choice.drafter != "ngram":
-                carried = choice  # a model's choice stands
-            elif guessed is False:
-                # prompt lookup guessed this very token wrong: the text is not being copied
-                # here, so the next step takes no draft rather than a fresh gamble
-                carried = Choice(None, 0)
-            # else prompt lookup re-matches on the longer context
+            # A model's choice stands, and so does prompt lookup's when it guessed this token
+            # right (the copy is on: its next tokens are the draft the wait was paid for).
+            # A wrong guess says the text is not being copied here: no fresh gamble.
+            carried = Choice(None, 0) if guessed is False else choice
             yield RawStep([token], [TokenKind.TARGET], [prob],
                           verify_s=time.perf_counter() - t_start, drafter="none")
             continue

@@ -21,12 +21,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from engine.cache import cache_length, make_caches
 from engine.decode import ChatSession, GenerateOptions
+from engine.drafters.ngram import NgramDrafter
 from engine.errors import IncompatibleDraftError
 from engine.events import Finished, Step, TokenKind
 from engine.loading import LoadedModel, load_model
 from engine.sampling import SamplingParams
-from engine.speculative import step_kinds
+from engine.speculative import speculative_steps, step_kinds
+from engine.steps import prefill
+from engine.tuning import Choice
 from tests.fixtures.tiny_models import write_tiny_model, write_tiny_pair
 
 DRAFTERS = ("ngram", "model", "layerskip", "auto")
@@ -490,3 +494,47 @@ def test_demo_model_speculative_equals_plain(demo_session: ChatSession, prompt: 
         check_steps(steps, spec)
         if drafter == "model":
             assert spec.stats.acceptance > 0.5  # the same model mostly agrees with itself
+
+
+# ----------------------------------------------------------------------------- pending reads
+
+
+class ScriptedPolicy:
+    """Asks for a prompt-lookup draft once, then plain steps; says every guess was right
+    (or wrong)."""
+
+    def __init__(self, guess_right: bool) -> None:
+        self.guess_right = guess_right
+        self.calls = 0
+
+    def choose(self, context: Sequence[int]) -> Choice:
+        self.calls += 1
+        return Choice("ngram", 3, "ngram2") if self.calls == 1 else Choice(None, 0)
+
+    def observe(self, token: int) -> bool:
+        return self.guess_right
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_a_right_guess_keeps_the_draft_it_read_the_pending_token_for(target: LoadedModel,
+                                                                     right: bool) -> None:
+    """Drafting from pending logits first commits the pending token (a TARGET step). If
+    prompt lookup guessed that token right, the next pass verifies its continuation without
+    asking the policy again; if wrong, the next step drafts nothing."""
+    model = target.model
+    vocab = model.args.vocab_size
+    context = [*range(vocab), *range(vocab)]  # every token has occurred: lookup always matches
+    caches = make_caches(model.n_layers)
+    *_, (_, logits) = prefill(model, context, caches, 512)
+    policy = ScriptedPolicy(right)
+    steps = speculative_steps(model, caches, context, logits, SamplingParams(), "coupled",
+                              {"ngram": NgramDrafter(min_n=1)}, policy)
+    first, second = next(steps), next(steps)
+    assert first.kinds == [TokenKind.TARGET] and first.n_drafted == 0
+    assert (second.n_drafted > 0) == right and second.k == (3 if right else 0)
+    assert policy.calls == 1  # the second step's choice was carried from the first
+    # verified: the caches stop before the newest token; a plain step has fed it too
+    assert cache_length(caches) == len(context) - (1 if right else 0)
