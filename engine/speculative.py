@@ -96,7 +96,7 @@ def speculative_steps(
     pending = logits
     carried: Choice | None = None  # a draft model's choice, kept across the pending read
     while True:
-        choice = carried or policy.choose(context)
+        choice = carried or policy.choose(context, pending is not None)
         carried = None
         drafter = drafters.get(choice.drafter) if choice.drafter else None
         t_start = time.perf_counter()

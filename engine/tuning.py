@@ -39,6 +39,10 @@ class CostModel:
 
     verify_s: dict[int, float]
     draft_s: dict[str, float] = field(default_factory=dict)
+    # what a step loses when it must read the pending token before building its pass: a
+    # pipelined plain step builds the next pass while the last one finishes (about the
+    # graph-building time of a width-1 pass)
+    overlap_s: float = 0.0
 
     def __post_init__(self) -> None:
         # verify() for every width up to K_MAX + 1, rebuilt after a change: the policy asks
@@ -84,18 +88,27 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
-def best_k(alpha: float, draft_s: float, costs: CostModel,
-           k_max: int = K_MAX) -> tuple[int, float]:
+def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
+           pending: bool = False, guessed: bool = False) -> tuple[int, float]:
     """The K in [0, k_max] with the highest expected tokens/s, and that rate.
 
-    Drafting must beat plain by DRAFT_MARGIN, which covers the per-step work the pipelined
-    plain path hides.
+    `pending`: the target's logits for the next position are in flight, so drafting first
+    reads that token and loses the overlap a pipelined plain step has (`overlap_s`).
+    `guessed`: the draft begins with a guess of that pending token (prompt lookup), so its
+    K further tokens are verified only when the guess was right (probability alpha); a
+    wrong guess leaves a plain step. Drafting must also beat plain by DRAFT_MARGIN, which
+    covers the per-step work the pipelined plain path hides.
     """
     widths = [costs.verify(w) for w in range(k_max + 2)]  # widths[w]: one pass of width w
     plain = 1.0 / widths[1]
+    extra = costs.overlap_s if pending or guessed else 0.0
     best = (0, plain)
     for k in range(1, k_max + 1):
-        rate = expected_tokens(alpha, k) / (k * draft_s + widths[k + 1])
+        tokens, seconds = expected_tokens(alpha, k), k * draft_s + widths[k + 1]
+        if guessed:
+            tokens = alpha * tokens + (1.0 - alpha)
+            seconds = alpha * seconds + (1.0 - alpha) * widths[1]
+        rate = tokens / (seconds + extra)
         if rate > best[1]:
             best = (k, rate)
     if best[0] and best[1] < plain * (1.0 + DRAFT_MARGIN):
@@ -169,6 +182,16 @@ def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
         return run
 
     verify_s = {w: _time(target_pass(w), reps) for w in CALIBRATION_WIDTHS}
+
+    builds = []  # the host's share of a width-1 pass: building its graph
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+        builds.append(time.perf_counter() - t0)
+        mx.eval(out)
+        for c in caches:
+            c.trim(context)
+    overlap_s = sorted(builds)[len(builds) // 2]
     draft_s: dict[str, float] = {"ngram": 0.0}
     if layerskip_layers:
         draft_s["layerskip"] = _time(target_pass(1, layerskip_layers), reps)
@@ -184,7 +207,7 @@ def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
             return out
 
         draft_s["model"] = _time(draft_pass, reps)
-    return CostModel(verify_s, draft_s)
+    return CostModel(verify_s, draft_s, overlap_s)
 
 
 def load_or_measure_costs(key: str, measure: Callable[[], CostModel]) -> CostModel:
@@ -198,7 +221,8 @@ def load_or_measure_costs(key: str, measure: Callable[[], CostModel]) -> CostMod
     if isinstance(entry, dict):
         try:
             return CostModel({int(w): float(s) for w, s in entry["verify_s"].items()},
-                             {str(d): float(s) for d, s in entry["draft_s"].items()})
+                             {str(d): float(s) for d, s in entry["draft_s"].items()},
+                             float(entry.get("overlap_s", 0.0)))
         except (KeyError, TypeError, ValueError):
             pass
     costs = measure()
@@ -297,8 +321,8 @@ class DraftPolicy:
     def _estimate_key(self, name: str, match_len: int) -> str:
         return f"ngram{min(max(match_len, 2), 4)}" if name == "ngram" else name
 
-    def choose(self, context: Sequence[int]) -> Choice:
-        """The next step's drafter and K."""
+    def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
+        """The next step's drafter and K; `pending` as in `best_k`."""
         best = Choice(None, 0)
         best_rate = 0.0 if self.costs is None else 1.0 / self.costs.verify(1)
         self.memory.steps += 1
@@ -307,10 +331,12 @@ class DraftPolicy:
             limit = self.fixed_k or K_MAX
             match_len = 0
             if name == "ngram" and self.ngram_match is not None:
-                tokens, match_len = self.ngram_match(context, limit)
+                tokens, match_len = self.ngram_match(context, limit + int(pending))
                 if not tokens:
                     continue
-                limit = len(tokens)
+                # from pending logits the first token guesses the pending one; K counts
+                # the tokens verified after it
+                limit = len(tokens) - int(pending)
                 self._guess = (self._estimate_key(name, match_len), tokens[0])
             key = self._estimate_key(name, match_len)
             if self._is_benched(key):
@@ -320,7 +346,7 @@ class DraftPolicy:
             else:
                 estimate = self.estimates.setdefault(key, AcceptanceEstimate(0.5))
                 k, rate = best_k(estimate.alpha, self.costs.draft_s.get(name, 0.0),
-                                 self.costs, limit)
+                                 self.costs, limit, pending, pending and name == "ngram")
             if k > 0 and rate > best_rate:
                 best, best_rate = Choice(name, k, key), rate
         if best.drafter is not None:
@@ -340,7 +366,8 @@ class DraftPolicy:
         if name == "ngram" or self._is_benched(name) or self.costs is None:
             return False
         draft_s = self.costs.draft_s.get(name, 0.0)
-        return best_k(OPTIMISTIC_ACCEPTANCE, draft_s, self.costs, 4)[0] > 0
+        # a probe follows idle plain steps, so it starts from pending logits
+        return best_k(OPTIMISTIC_ACCEPTANCE, draft_s, self.costs, 4, pending=True)[0] > 0
 
     def observe(self, token: int) -> bool | None:
         """The token committed right after `choose` where prompt lookup's guess went unused:

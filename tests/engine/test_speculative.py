@@ -507,7 +507,7 @@ class ScriptedPolicy:
         self.guess_right = guess_right
         self.calls = 0
 
-    def choose(self, context: Sequence[int]) -> Choice:
+    def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
         self.calls += 1
         return Choice("ngram", 3, "ngram2") if self.calls == 1 else Choice(None, 0)
 

@@ -110,6 +110,29 @@ def test_best_k_rate_beats_plain_whenever_it_drafts() -> None:
             assert (k == 0 and rate == pytest.approx(plain)) or rate > plain
 
 
+# the demo model on a 2-core CPU: widths 2-3 cost a little more than width 1, and a step
+# that must read the pending token before building its pass loses ~6% of one
+CPU_LIKE = CostModel({1: 0.127, 2: 0.136, 3: 0.146, 4: 0.184, 8: 0.204, 16: 0.225},
+                     overlap_s=0.008)
+
+
+def test_reading_the_pending_token_first_makes_drafting_pay_less() -> None:
+    for alpha in np.linspace(0.05, 0.98, 15):
+        rate_unfed = best_k(alpha, 0.0, CPU_LIKE)[1]
+        rate_pending = best_k(alpha, 0.0, CPU_LIKE, pending=True)[1]
+        assert rate_pending <= rate_unfed
+    assert best_k(0.98, 0.0, CPU_LIKE, pending=True)[0] > 0  # good drafts still pay
+
+
+def test_a_guessed_pending_token_drafts_only_when_guesses_are_mostly_right() -> None:
+    """Chat on the demo model: about 1 in 3 prompt-lookup guesses is right. From the unfed
+    state that pays; as a guess of the pending token it does not (most guesses only cost
+    the read). Copied text (most guesses right) still drafts long."""
+    assert best_k(0.35, 0.0, CPU_LIKE)[0] > 0
+    assert best_k(0.35, 0.0, CPU_LIKE, pending=True, guessed=True)[0] == 0
+    assert best_k(0.85, 0.0, CPU_LIKE, pending=True, guessed=True)[0] >= 4
+
+
 # ----------------------------------------------------------------------------- acceptance
 
 
@@ -176,6 +199,9 @@ def test_ngram_mode_without_a_match_takes_a_plain_step() -> None:
     choice = policy.choose(REPEATING)
     assert choice.drafter == "ngram"
     assert 1 <= choice.k <= len(ngram_match(REPEATING, K_MAX)[0]) == 10  # at most what follows
+    # from pending logits the first token is a guess of the pending one: K counts the rest
+    pending = DraftPolicy("ngram", ("ngram",), COSTS, ngram_match=ngram_match)
+    assert 1 <= pending.choose(REPEATING, pending=True).k <= 9
 
 
 def test_auto_picks_ngram_when_it_has_a_match() -> None:
