@@ -152,8 +152,12 @@ def run_side_by_side(sessions: Mapping[str, ChatSession], messages: list[dict[st
     mx.synchronize()
     decode_s = dict.fromkeys(order, 0.0)
     finished: dict[str, Finished] = {}
+    rounds = 0
     while len(finished) < len(order):
-        for mode in order:
+        # ABBA: the modes swap places every round, so a load that drifts within a round
+        # weighs on both alike
+        rounds += 1
+        for mode in order if rounds % 2 else reversed(order):
             if mode in finished:
                 continue
             t0 = time.perf_counter()
