@@ -94,7 +94,7 @@ def speculative_steps(
     appended to with every committed token.
     """
     pending = logits
-    carried: Choice | None = None  # a draft model's choice, kept across the pending read
+    carried: Choice | None = None  # the choice a pending read was made for, kept past it
     while True:
         choice = carried or policy.choose(context, pending is not None)
         carried = None

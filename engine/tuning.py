@@ -154,6 +154,10 @@ class RealizedSpeed:
             self.seconds_per_token += COST_EMA * (value - self.seconds_per_token)
 
 
+def _median(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]
+
+
 def _time(fn: Callable[[], object], reps: int) -> float:
     fn()  # warm-up (graph building, allocation)
     samples = []
@@ -161,8 +165,7 @@ def _time(fn: Callable[[], object], reps: int) -> float:
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
-    samples.sort()
-    return samples[len(samples) // 2]
+    return _median(samples)
 
 
 def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
@@ -191,7 +194,7 @@ def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
         mx.eval(out)
         for c in caches:
             c.trim(context)
-    overlap_s = sorted(builds)[len(builds) // 2]
+    overlap_s = _median(builds)
     draft_s: dict[str, float] = {"ngram": 0.0}
     if layerskip_layers:
         draft_s["layerskip"] = _time(target_pass(1, layerskip_layers), reps)
