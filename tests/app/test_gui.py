@@ -208,7 +208,9 @@ def test_stop_mid_reply_leaves_consistent_conversation(qtbot, make_gui, tiny_pai
     qtbot.mouseClick(gui.window.composer.stop_button, Qt.MouseButton.LeftButton)
     wait_idle(qtbot, gui)
 
-    assert sum(after_cancel) <= 1  # the engine stopped within one step
+    # the engine stopped within one step: Stop can land while a finished step is being
+    # emitted (it checked cancel just before), then the one step in flight still arrives
+    assert sum(after_cancel) <= 2
     [_, reply] = gui.store.messages(gui.controller.conversation_id)
     assert reply.status == STOPPED
     stats = stats_from_dict(reply.stats)
