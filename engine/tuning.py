@@ -61,22 +61,29 @@ class CostModel:
         Never less for a wider pass: noisy timings must not make drafting look free.
         """
         if self._curve is None:
-            self._curve = [self._interpolate(w) for w in range(K_MAX + 2)]
+            points = self._points()
+            self._curve = [_interpolate(points, w) for w in range(K_MAX + 2)]
         if 0 <= width < len(self._curve):
             return self._curve[width]
-        return self._interpolate(width)
+        return _interpolate(self._points(), width)
 
-    def _interpolate(self, width: int) -> float:
-        pts = []
+    def _points(self) -> list[tuple[int, float]]:
+        """The measured (width, seconds), made non-decreasing in width."""
+        points: list[tuple[int, float]] = []
         for w, sec in sorted(self.verify_s.items()):
-            pts.append((w, max(sec, pts[-1][1]) if pts else sec))
-        if width <= pts[0][0]:
-            return pts[0][1]
-        for (w0, s0), (w1, s1) in zip(pts, pts[1:], strict=False):
-            if width <= w1:
-                return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
-        (w0, s0), (w1, s1) = pts[-2], pts[-1]
-        return s1 + (s1 - s0) / (w1 - w0) * (width - w1)
+            points.append((w, max(sec, points[-1][1]) if points else sec))
+        return points
+
+
+def _interpolate(points: list[tuple[int, float]], width: int) -> float:
+    """Piecewise-linear through `points`, extended past the last two."""
+    if width <= points[0][0]:
+        return points[0][1]
+    for (w0, s0), (w1, s1) in zip(points, points[1:], strict=False):
+        if width <= w1:
+            return s0 + (s1 - s0) * (width - w0) / (w1 - w0)
+    (w0, s0), (w1, s1) = points[-2], points[-1]
+    return s1 + (s1 - s0) / (w1 - w0) * (width - w1)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
