@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import random
 import sys
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -27,6 +28,7 @@ from engine.sampling import SamplingParams
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "resources" / "bench" / "prompts.jsonl"
 MODES = ("plain", "spec")
 SLICE_STEPS = 8  # steps one mode runs before the next mode's turn (about a second here)
+BOOTSTRAP_RESAMPLES = 2000
 
 
 @dataclass(frozen=True)
@@ -60,9 +62,14 @@ class Totals:
     n_identical: int = 0
     n: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    # per prompt with both modes: (plain tokens, plain s, spec tokens, spec s)
+    pairs: list[tuple[int, float, int, float]] = field(default_factory=list)
 
     def add(self, plain: Run | None, spec: Run | None) -> None:
         self.n += 1
+        if plain is not None and spec is not None:
+            self.pairs.append((plain.stats.generated_tokens, plain.stats.decode_s,
+                               spec.stats.generated_tokens, spec.stats.decode_s))
         if plain is not None:
             self.plain_tokens += plain.stats.generated_tokens
             self.plain_s += plain.stats.decode_s
@@ -92,8 +99,30 @@ class Totals:
             "prompt_tps": self.prompt_tokens / self.prompt_s if self.prompt_s else None,
             "plain_tokens": self.plain_tokens,
             "spec_tokens": self.spec_tokens,
+            "speedup_ci95": self.speedup_interval(),
             **self.extra,
         }
+
+    def speedup_interval(self, level: float = 0.95) -> list[float] | None:
+        """A percentile-bootstrap interval for the aggregate speedup, resampling prompts.
+
+        Why: on a shared machine one run's speedup moves by a percent or two with the load,
+        and prompts differ; the interval says whether a figure near 1.0 is a difference or
+        noise. Seeded, so a report is reproducible from its own numbers. None for fewer
+        than two prompts.
+        """
+        if len(self.pairs) < 2:
+            return None
+        rng = random.Random(0)
+        stats = []
+        for _ in range(BOOTSTRAP_RESAMPLES):
+            sample = rng.choices(self.pairs, k=len(self.pairs))
+            plain_tps = sum(p[0] for p in sample) / sum(p[1] for p in sample)
+            spec_tps = sum(p[2] for p in sample) / sum(p[3] for p in sample)
+            stats.append(spec_tps / plain_tps)
+        stats.sort()
+        tail = (1.0 - level) / 2
+        return [stats[int(tail * (len(stats) - 1))], stats[int((1 - tail) * (len(stats) - 1))]]
 
 
 def load_prompts(path: Path) -> list[BenchPrompt]:
@@ -233,11 +262,14 @@ def _fmt(v, spec: str = ".1f") -> str:
 
 
 def _format_row(r: dict) -> str:
+    ci = r.get("speedup_ci95")
+    interval = f"  95% CI x{ci[0]:.2f}-{ci[1]:.2f}" if ci else ""
     return (f"{r.get('id', ''):<24} {r.get('category', ''):<14} plain {_fmt(r['plain_tps']):>7} "
             f"spec {_fmt(r['spec_tps']):>7} tok/s  x{_fmt(r['speedup'], '.2f'):>5}  "
             f"tau {_fmt(r['tau'], '.2f'):>5}  acc {_fmt(r['acceptance'], '.2f'):>4}  "
             f"prompt {_fmt(r['prompt_tps']):>7} tok/s  "
-            f"{'identical' if r['identical'] else ('' if r['identical'] is None else 'DIFFERENT')}")
+            f"{'identical' if r['identical'] else ('' if r['identical'] is None else 'DIFFERENT')}"
+            f"{interval}")
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -12,6 +12,8 @@ from app.cli import main
 from engine.bench import (
     DEFAULT_PROMPTS,
     BenchPrompt,
+    Run,
+    Totals,
     load_prompts,
     run_bench,
     run_once,
@@ -19,6 +21,7 @@ from engine.bench import (
 )
 from engine.decode import ChatSession, GenerateOptions
 from engine.errors import EngineError
+from engine.events import Stats
 from engine.loading import load_model
 from engine.sampling import SamplingParams
 from tests.fixtures.tiny_models import write_tiny_pair
@@ -60,6 +63,33 @@ def check_report(report: dict, ids: list[str], categories: set[str]) -> None:
         assert 0.0 <= row["acceptance"] <= 1.0
         assert isinstance(row["identical"], bool)
     assert json.loads(json.dumps(report)) == report  # plain JSON all the way down
+
+
+def totals_of(pairs: list[tuple[float, float]]) -> Totals:
+    """Totals over prompts of 100 tokens each, timed (plain s, spec s)."""
+    t = Totals()
+    for plain_s, spec_s in pairs:
+        t.add(Run("x", Stats(generated_tokens=100, decode_s=plain_s)),
+              Run("x", Stats(generated_tokens=100, decode_s=spec_s)))
+    return t
+
+
+def test_speedup_interval_says_whether_a_figure_near_one_is_noise() -> None:
+    # six prompts at parity give or take 2%: the interval straddles 1.0
+    noisy = totals_of([(10.0, 10.2), (10.0, 9.8), (10.0, 10.1), (10.0, 9.9), (10.0, 10.2),
+                       (10.0, 9.8)])
+    lo, hi = noisy.row()["speedup_ci95"]
+    assert lo < 1.0 < hi and hi - lo < 0.05
+    assert lo <= noisy.row()["speedup"] <= hi
+    # every prompt twice as fast: a point interval at 2.0
+    assert totals_of([(10.0, 5.0)] * 4).row()["speedup_ci95"] == pytest.approx([2.0, 2.0])
+    # a consistent 5% gain with the same spread excludes 1.0 (negative control for the above)
+    gain = totals_of([(10.5, 10.2), (10.5, 9.8), (10.5, 10.1), (10.5, 9.9), (10.5, 10.2),
+                      (10.5, 9.8)])
+    assert gain.row()["speedup_ci95"][0] > 1.0
+    # reproducible, and absent below two prompts
+    assert noisy.speedup_interval() == noisy.speedup_interval()
+    assert totals_of([(10.0, 9.0)]).row()["speedup_ci95"] is None
 
 
 def test_run_bench_report(session: ChatSession) -> None:
