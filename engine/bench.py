@@ -1,29 +1,26 @@
 """The harness behind `understudy bench`: plain vs speculative, in one process.
 
 Each prompt runs in every mode after one warm-up reply per mode. The modes' replies to a
-prompt are generated side by side, taking turns every few steps, so both see the same
-moments of the machine. Speedups are ratios of decode times measured in the same run;
-never compare figures across runs or machines.
+prompt are generated side by side, taking turns every few steps (`engine.turns`), so both
+see the same moments of the machine. Speedups are ratios of decode times measured in the
+same run; never compare figures across runs or machines.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import random
 import sys
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import mlx.core as mx
-
 from engine.decode import ChatSession, GenerateOptions
 from engine.errors import EngineError
-from engine.events import Finished, PromptProgress, Stats, Step
+from engine.events import Finished, Stats
 from engine.sampling import SamplingParams
+from engine.turns import take_turns
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "resources" / "bench" / "prompts.jsonl"
 MODES = ("plain", "spec")
@@ -161,49 +158,17 @@ def run_once(session: ChatSession, messages: list[dict[str, str]],
 def run_side_by_side(sessions: Mapping[str, ChatSession], messages: list[dict[str, str]],
                      options: Mapping[str, GenerateOptions], order: Sequence[str]) -> dict[str, Run]:
     """Every mode's reply to one prompt from cold caches, the modes taking turns of
-    SLICE_STEPS steps; each mode's decode time is the sum of its own turns.
-
-    A turn is timed until the work it queued has finished (mx.synchronize), so no mode is
-    charged for another's. Whole replies one after the other sit ten seconds apart on a
-    shared machine, and their ratio swung by several percent from run to run; turns of a
-    second see the same load.
-    """
-    streams: dict[str, Iterator] = {}
+    SLICE_STEPS steps (`engine.turns`); each mode's decode time is its own turns only."""
+    streams = {}
     for mode in order:
         sessions[mode].reset()
-        events = iter(sessions[mode].generate(messages, options[mode]))
-        # the prefill runs until its last progress event: prompt time, reported by Stats
-        ev = next(events)
-        while isinstance(ev, PromptProgress) and ev.done < ev.total:
-            ev = next(events)
-        streams[mode] = events if isinstance(ev, PromptProgress) else itertools.chain(
-            [ev], events)
-    mx.synchronize()
-    decode_s = dict.fromkeys(order, 0.0)
-    finished: dict[str, Finished] = {}
-    rounds = 0
-    while len(finished) < len(order):
-        # ABBA: the modes swap places every round, so a load that drifts within a round
-        # weighs on both alike
-        rounds += 1
-        for mode in order if rounds % 2 else reversed(order):
-            if mode in finished:
-                continue
-            t0 = time.perf_counter()
-            steps = 0
-            for ev in streams[mode]:
-                if isinstance(ev, Finished):
-                    finished[mode] = ev
-                    break
-                if isinstance(ev, Step):
-                    steps += 1
-                    if steps == SLICE_STEPS:
-                        break
-            else:
-                raise RuntimeError(f"{mode}: the reply ended without a Finished event")
-            mx.synchronize()
-            decode_s[mode] += time.perf_counter() - t0
-    return {m: Run(f.text, replace(f.stats, decode_s=decode_s[m])) for m, f in finished.items()}
+        streams[mode] = sessions[mode].generate(messages, options[mode])
+    runs: dict[str, Run] = {}
+    for turn in take_turns(streams, lambda steps, _seconds: steps >= SLICE_STEPS):
+        if isinstance(turn.event, Finished):
+            f = turn.event
+            runs[turn.name] = Run(f.text, replace(f.stats, decode_s=turn.own_s))
+    return runs
 
 
 def mlx_lm_decode_tps(model_path: Path, prompts: Sequence[BenchPrompt], max_tokens: int) -> float:
