@@ -1,9 +1,10 @@
 """Speculative vs plain: the same prompt and seed decoded both ways, side by side.
 
-The controller runs the two on the engine worker one after the other (the speculative run
-is also the chat's reply); this view shows each in its own pane with its own gauge, then
-the measured speedup and whether the two texts are identical (with the coupled acceptance
-rule they must be).
+The controller races the two on the engine worker: they take turns of half a second, so
+both texts arrive at once, each at its own pace (the speculative run is also the chat's
+reply). This view shows each in its own pane with its own gauge, then the measured
+speedup and whether the two texts are identical (with the coupled acceptance rule they
+must be).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ class ComparisonView(QWidget):
 
         controller.comparison_started.connect(self._on_comparison_started)
         controller.prompt_progressed.connect(self._on_prompt_progressed)
+        controller.plain_prompt_progressed.connect(self._on_plain_prompt_progressed)
         controller.step_received.connect(self._on_step_received)
         controller.plain_step_received.connect(self._on_plain_step_received)
         controller.comparison_finished.connect(self._on_comparison_finished)
@@ -109,18 +111,18 @@ class ComparisonView(QWidget):
         self.result = None
         self.speculative.reset(spec_label)
         self.plain.reset(plain_label)
-        self.result_label.setText("Running speculative decoding, then plain decoding "
-                                  "with the same seed…")
+        self.result_label.setText("Racing speculative against plain decoding with the same "
+                                  "seed; they take turns on the engine, so each gauge shows "
+                                  "its own pace…")
         self.replay_button.setEnabled(False)
 
     def _on_prompt_progressed(self, done: int, total: int) -> None:
         if self.active:
-            pane = self.plain if self.speculative.steps and self._spec_done else self.speculative
-            pane.gauge.show_prompt_progress(done, total)
+            self.speculative.gauge.show_prompt_progress(done, total)
 
-    @property
-    def _spec_done(self) -> bool:
-        return self.controller.generating_message_id is None
+    def _on_plain_prompt_progressed(self, done: int, total: int) -> None:
+        if self.active:
+            self.plain.gauge.show_prompt_progress(done, total)
 
     def _on_step_received(self, _message_id: int, step: Step, stats: Stats) -> None:
         if self.active:

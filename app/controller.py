@@ -64,6 +64,7 @@ class ChatController(QObject):
     model_loading = Signal(str)
     model_loaded = Signal(object)  # ModelInfo
     comparison_started = Signal(str, str)  # speculative label, plain label
+    plain_prompt_progressed = Signal(int, int)  # done, total of the plain run
     plain_step_received = Signal(object, object)  # Step, Stats of the plain run
     comparison_finished = Signal(object)  # ComparisonResult
 
@@ -76,8 +77,9 @@ class ChatController(QObject):
         self.conversation_id: int | None = None
         self.model: ModelInfo | None = None
         self._reply: _Reply | None = None
-        self._queued_plain: _Reply | None = None
+        self._race_plain: _Reply | None = None  # a comparison's plain run, racing _reply
         self._spec_finished: Finished | None = None
+        self._plain_finished: Finished | None = None
         self._spec_message_id: int | None = None
         w = host.worker
         w.model_loading.connect(self._on_model_loading)
@@ -91,7 +93,7 @@ class ChatController(QObject):
     # -- state ---------------------------------------------------------------------------
     @property
     def generating(self) -> bool:
-        return self._reply is not None or self._queued_plain is not None
+        return self._reply is not None or self._race_plain is not None
 
     @property
     def current_request(self) -> GenerationRequest | None:
@@ -164,12 +166,10 @@ class ChatController(QObject):
         return True
 
     def stop(self) -> None:
-        """Stop the reply in flight within one step (and drop a queued comparison run)."""
-        if self._queued_plain is not None:
-            self._queued_plain.request.cancel.set()
-            self._queued_plain = None
-        if self._reply is not None:
-            self.host.cancel(self._reply.request.request_id)
+        """Stop the reply in flight within one step (and a comparison's plain run)."""
+        for reply in (self._reply, self._race_plain):
+            if reply is not None:
+                self.host.cancel(reply.request.request_id)
 
     def close(self) -> None:
         """The app is closing: stop, and record a reply in flight as stopped, not crashed."""
@@ -229,41 +229,53 @@ class ChatController(QObject):
         self.message_added.emit(reply_msg)
         request = GenerationRequest(self.host.new_request_id(), messages, settings)
         self._reply = _Reply(request, reply_msg.id, self.conversation_id, comparison=compare)
-        self._spec_finished = None
-        if compare:
-            plain = GenerationRequest(self.host.new_request_id(), messages, settings,
-                                      plain=True)
-            self._queued_plain = _Reply(plain, None, self.conversation_id, comparison=True)
-            spec_label = f"Speculative ({settings.drafter}, K {settings.k or 'auto'})"
-            self.comparison_started.emit(spec_label, "Plain decoding")
+        self._spec_finished = self._plain_finished = None
         self.generating_changed.emit(True)
-        self.host.generate(request)
+        if not compare:
+            self.host.generate(request)
+            return
+        plain = GenerationRequest(self.host.new_request_id(), messages, settings, plain=True)
+        self._race_plain = _Reply(plain, None, self.conversation_id, comparison=True)
+        spec_label = f"Speculative ({settings.drafter}, K {settings.k or 'auto'})"
+        self.comparison_started.emit(spec_label, "Plain decoding")
+        self.host.race(request, plain)
 
-    def _is_current(self, request_id: int) -> bool:
-        return self._reply is not None and self._reply.request.request_id == request_id
+    def _which(self, request_id: int) -> _Reply | None:
+        """The reply (the chat's, or a comparison's plain run) a request id belongs to."""
+        for reply in (self._reply, self._race_plain):
+            if reply is not None and reply.request.request_id == request_id:
+                return reply
+        return None
 
     def _on_prompt_progressed(self, request_id: int, done: int, total: int) -> None:
-        if self._is_current(request_id):
+        reply = self._which(request_id)
+        if reply is None:
+            return
+        if reply.message_id is None:
+            self.plain_prompt_progressed.emit(done, total)
+        else:
             self.prompt_progressed.emit(done, total)
 
     def _on_step_generated(self, request_id: int, step: Step, stats: Stats) -> None:
-        if not self._is_current(request_id):
+        reply = self._which(request_id)
+        if reply is None:
             return
-        assert self._reply is not None
-        if self._reply.message_id is None:
+        if reply.message_id is None:
             self.plain_step_received.emit(step, stats)
             return
-        self.store.append_step(self._reply.message_id, step)
-        self.step_received.emit(self._reply.message_id, step, stats)
+        self.store.append_step(reply.message_id, step)
+        self.step_received.emit(reply.message_id, step, stats)
 
     def _on_generation_finished(self, request_id: int, finished: Finished) -> None:
-        if not self._is_current(request_id):
+        reply = self._which(request_id)
+        if reply is None:
             return
-        reply = self._reply
-        assert reply is not None
-        self._reply = None
-        cancelled = finished.stats.finish_reason == "cancelled"
-        if reply.message_id is not None:
+        if reply.message_id is None:
+            self._race_plain = None
+            self._plain_finished = finished
+        else:
+            self._reply = None
+            cancelled = finished.stats.finish_reason == "cancelled"
             self.store.finish_reply(reply.message_id, status=STOPPED if cancelled else COMPLETE,
                                     stats=finished.stats, text=finished.text)
             self.reply_finished.emit(self.store.message(reply.message_id))
@@ -271,36 +283,42 @@ class ChatController(QObject):
             if reply.comparison:
                 self._spec_finished = finished
                 self._spec_message_id = reply.message_id
-        else:
-            self._finish_comparison(finished)
-        self._next_or_idle()
+        self._finish_comparison()
+        self._idle_if_done()
 
     def _on_generation_failed(self, request_id: int, message: str) -> None:
-        if not self._is_current(request_id):
+        reply = self._which(request_id)
+        if reply is None:
             return
-        reply = self._reply
-        assert reply is not None
-        self._reply = None
         cancelled = reply.request.cancel.is_set()
-        if reply.message_id is not None:
-            msg = self.store.message(reply.message_id)
-            if msg is not None and not msg.steps:
-                self.store.delete_messages_from(msg.conversation_id, msg.position)
-                self.reply_discarded.emit(reply.message_id)
-            else:
-                self.store.finish_reply(reply.message_id, status=STOPPED if cancelled else FAILED,
-                                        error=message)
-                self.reply_finished.emit(self.store.message(reply.message_id))
-        if self._queued_plain is not None:
-            self._queued_plain = None  # no speculative result to compare against
+        if reply.message_id is None:
+            self._race_plain = None
+            # a failed race fails both runs: the chat reply's banner already says why
+            if not cancelled and self._spec_finished is not None:
+                self.error_raised.emit(message)
+            self._idle_if_done()
+            return
+        self._reply = None
+        msg = self.store.message(reply.message_id)
+        if msg is not None and not msg.steps:
+            self.store.delete_messages_from(msg.conversation_id, msg.position)
+            self.reply_discarded.emit(reply.message_id)
+        else:
+            self.store.finish_reply(reply.message_id, status=STOPPED if cancelled else FAILED,
+                                    error=message)
+            self.reply_finished.emit(self.store.message(reply.message_id))
         if not cancelled:
             self.error_raised.emit(message)
-        self._next_or_idle()
+        self._idle_if_done()
 
-    def _finish_comparison(self, plain: Finished) -> None:
-        spec = self._spec_finished
-        if spec is None or self._spec_message_id is None:
+    def _finish_comparison(self) -> None:
+        """Once both runs of a race have finished: save and announce the comparison."""
+        spec, plain = self._spec_finished, self._plain_finished
+        if spec is None or plain is None or self._spec_message_id is None:
             return
+        self._spec_finished = self._plain_finished = None
+        if "cancelled" in (spec.stats.finish_reason, plain.stats.finish_reason):
+            return  # a stopped race compares nothing
         result = ComparisonResult(spec.stats, plain.stats, spec.text, plain.text)
         self.store.set_comparison(self._spec_message_id, {
             "plain_decode_tps": plain.stats.decode_tps,
@@ -311,13 +329,9 @@ class ChatController(QObject):
         })
         self.comparison_finished.emit(result)
 
-    def _next_or_idle(self) -> None:
-        if self._queued_plain is not None and self._spec_finished is not None:
-            self._reply, self._queued_plain = self._queued_plain, None
-            self.host.generate(self._reply.request)
-            return
-        self._queued_plain = None
-        self.generating_changed.emit(False)
+    def _idle_if_done(self) -> None:
+        if not self.generating:
+            self.generating_changed.emit(False)
 
     # -- model state ---------------------------------------------------------------------
     def _on_model_loading(self, spec: str) -> None:

@@ -15,7 +15,7 @@ import itertools
 import logging
 import threading
 import traceback
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
@@ -26,6 +26,9 @@ from engine.events import Finished, PromptProgress, Step
 log = logging.getLogger(__name__)
 
 DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "auto")
+# A race's turn: long enough that a turn's fixed cost (building the first pass with the
+# machine idle, waiting for the last) stays a small share, short enough to look live.
+RACE_TURN_S = 0.5
 ACCEPT_RULES = ("coupled", "rejection")
 
 
@@ -112,6 +115,7 @@ class EngineWorker(QObject):
         self._target = None  # LoadedModel
         self._drafts: dict[str, Any] = {}  # spec -> LoadedModel
         self._sessions: dict[str | None, Any] = {}  # draft spec -> ChatSession on the target
+        self._race_session = None  # plain decoding's own caches in a race
 
     # -- loading -------------------------------------------------------------------------
     @Slot(str)
@@ -130,6 +134,7 @@ class EngineWorker(QObject):
         self.model_loading.emit(spec)
         self._target = self._target_spec = None
         self._sessions.clear()
+        self._race_session = None
         loaded = load_model(spec)
         self._target, self._target_spec = loaded, spec
         self.model_loaded.emit(_model_info(spec, loaded))
@@ -187,6 +192,56 @@ class EngineWorker(QObject):
             self.generation_failed.emit(rid, _describe(exc))
 
 
+    @Slot(object, object)
+    def race(self, spec: GenerationRequest, plain: GenerationRequest) -> None:
+        """Speculative and plain decoding of one request side by side, so the user watches
+        both texts arrive: they take turns of RACE_TURN_S on this thread (`engine.turns`),
+        and each one's Stats count only its own turns' time, so the gauges and the speedup
+        compare the two on the same machine load."""
+        from engine.decode import ChatSession
+        from engine.turns import take_turns
+
+        requests = {"spec": spec, "plain": plain}
+        if spec.cancel.is_set():
+            for r in requests.values():
+                self.generation_failed.emit(r.request_id, "cancelled before it started")
+            return
+        ended: set[str] = set()
+        streams: dict[str, Any] = {}
+        try:
+            sessions = {"spec": self._session(spec.settings, False)}
+            if self._race_session is None:
+                self._race_session = ChatSession(self._target)
+            sessions["plain"] = self._race_session
+            for name, r in requests.items():
+                self.generation_started.emit(r.request_id)
+                streams[name] = sessions[name].generate(
+                    list(r.messages), r.settings.to_options(plain=r.plain), r.cancel)
+            turns = take_turns(streams, lambda _steps, seconds: seconds >= RACE_TURN_S)
+            try:
+                for turn in turns:
+                    rid, ev = requests[turn.name].request_id, turn.event
+                    if isinstance(ev, Step):
+                        stats = replace(sessions[turn.name].stats, decode_s=turn.own_s)
+                        self.step_generated.emit(rid, ev, stats)
+                    elif isinstance(ev, PromptProgress):
+                        self.prompt_progressed.emit(rid, ev.done, ev.total)
+                    else:
+                        ended.add(turn.name)
+                        stats = replace(ev.stats, decode_s=turn.own_s)
+                        self.generation_finished.emit(rid, replace(ev, stats=stats))
+            finally:
+                turns.close()
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a banner, not a crash
+            message = _describe(exc)
+            for name, r in requests.items():
+                if name not in ended:
+                    self.generation_failed.emit(r.request_id, message)
+        finally:
+            for events in streams.values():
+                events.close()  # trims the caches to what each reply committed
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, EngineError):
         return str(exc)
@@ -211,6 +266,7 @@ class EngineHost(QObject):
 
     _load_requested = Signal(str)
     _generate_requested = Signal(object)
+    _race_requested = Signal(object, object)
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -223,6 +279,7 @@ class EngineHost(QObject):
         self.thread.finished.connect(self.worker.deleteLater)
         self._load_requested.connect(self.worker.load_target)
         self._generate_requested.connect(self.worker.generate)
+        self._race_requested.connect(self.worker.race)
         self.worker.generation_finished.connect(self._on_request_ended)
         self.worker.generation_failed.connect(self._on_request_ended)
         self.thread.start()
@@ -236,6 +293,12 @@ class EngineHost(QObject):
     def generate(self, request: GenerationRequest) -> None:
         self._active[request.request_id] = request.cancel
         self._generate_requested.emit(request)
+
+    def race(self, spec: GenerationRequest, plain: GenerationRequest) -> None:
+        """Speculative and plain decoding of the same prompt, side by side (`race`)."""
+        for r in (spec, plain):
+            self._active[r.request_id] = r.cancel
+        self._race_requested.emit(spec, plain)
 
     def cancel(self, request_id: int) -> None:
         event = self._active.get(request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -284,6 +285,55 @@ def test_comparison_runs_both_ways_and_reports_identical(qtbot, make_gui, tiny_p
     wait_idle(qtbot, gui)
     assert again.args[0].identical and again.args[0].plain_text == result.plain_text
     assert len(gui.store.messages(gui.controller.conversation_id)) == 2
+
+
+def test_comparison_is_a_race_both_texts_arrive_at_once(qtbot, make_gui, tiny_pair,
+                                                          monkeypatch) -> None:
+    """The two runs take turns (one step each here), so plain steps arrive while the
+    speculative reply is still coming; each gauge counts only its own turns."""
+    import app.worker
+
+    monkeypatch.setattr(app.worker, "RACE_TURN_S", 0.0)
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=60))
+    arrivals: list[str] = []
+    gui.controller.step_received.connect(lambda *_: arrivals.append("spec"))
+    gui.controller.plain_step_received.connect(lambda *_: arrivals.append("plain"))
+    gui.window.compare_action.trigger()
+    t0 = time.perf_counter()
+    with qtbot.waitSignal(gui.controller.comparison_finished, timeout=TIMEOUT) as blocker:
+        send_by_keyboard(qtbot, gui, "Tell me about dogs")
+    wait_idle(qtbot, gui)
+    wall = time.perf_counter() - t0
+    result = blocker.args[0]
+    assert result.identical
+    # interleaved, not one run after the other
+    assert arrivals.index("plain") < len(arrivals) - 1 - arrivals[::-1].index("spec")
+    # own turns only: the two decode times add up to less than the race's wall time
+    assert result.speculative.decode_s > 0 and result.plain.decode_s > 0
+    assert result.speculative.decode_s + result.plain.decode_s < wall
+    assert gui.window.comparison_view.plain.text() == result.plain_text
+
+
+def test_stopping_a_race_stops_both_runs(qtbot, make_gui, tiny_pair, monkeypatch) -> None:
+    import app.worker
+
+    monkeypatch.setattr(app.worker, "RACE_TURN_S", 0.0)
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=5000))
+    finished: list[object] = []
+    gui.controller.comparison_finished.connect(finished.append)
+    view = gui.window.comparison_view
+    gui.window.compare_action.trigger()
+    send_by_keyboard(qtbot, gui, "Count forever")
+    qtbot.waitUntil(lambda: len(view.plain.steps) >= 3, timeout=TIMEOUT)
+    qtbot.mouseClick(gui.window.composer.stop_button, Qt.MouseButton.LeftButton)
+    wait_idle(qtbot, gui)
+    assert not gui.host.busy and not gui.controller.generating
+    [_, reply] = gui.store.messages(gui.controller.conversation_id)
+    assert reply.status == STOPPED and reply.comparison is None
+    assert finished == [] and "Stopped" in view.result_label.text()
+    assert len(view.plain.steps) < 5000 and view.replay_button.isEnabled()
 
 
 def test_restart_restores_conversations_with_highlighting(qtbot, make_gui, tiny_pair, tmp_path) -> None:
