@@ -115,7 +115,6 @@ class EngineWorker(QObject):
         self._target = None  # LoadedModel
         self._drafts: dict[str, Any] = {}  # spec -> LoadedModel
         self._sessions: dict[str | None, Any] = {}  # draft spec -> ChatSession on the target
-        self._race_session = None  # plain decoding's own caches in a race
 
     # -- loading -------------------------------------------------------------------------
     @Slot(str)
@@ -134,7 +133,6 @@ class EngineWorker(QObject):
         self.model_loading.emit(spec)
         self._target = self._target_spec = None
         self._sessions.clear()
-        self._race_session = None
         loaded = load_model(spec)
         self._target, self._target_spec = loaded, spec
         self.model_loaded.emit(_model_info(spec, loaded))
@@ -209,10 +207,10 @@ class EngineWorker(QObject):
         ended: set[str] = set()
         streams: dict[str, Any] = {}
         try:
-            sessions = {"spec": self._session(spec.settings, False)}
-            if self._race_session is None:
-                self._race_session = ChatSession(self._target)
-            sessions["plain"] = self._race_session
+            # plain decoding gets caches of its own for the race, freed when it ends (the
+            # chat's session may be this very object when no draft model is loaded)
+            sessions = {"spec": self._session(spec.settings, False),
+                        "plain": ChatSession(self._target)}
             for name, r in requests.items():
                 self.generation_started.emit(r.request_id)
                 streams[name] = sessions[name].generate(
