@@ -26,10 +26,10 @@ from engine.events import Finished, PromptProgress, Step
 log = logging.getLogger(__name__)
 
 DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "auto")
+ACCEPT_RULES = ("coupled", "rejection")
 # A race's turn: long enough that a turn's fixed cost (building the first pass with the
 # machine idle, waiting for the last) stays a small share, short enough to look live.
 RACE_TURN_S = 0.5
-ACCEPT_RULES = ("coupled", "rejection")
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,6 @@ class EngineWorker(QObject):
             self.generation_finished.emit(rid, finished)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a banner, not a crash
             self.generation_failed.emit(rid, _describe(exc))
-
 
     @Slot(object, object)
     def race(self, spec: GenerationRequest, plain: GenerationRequest) -> None:
