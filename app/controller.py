@@ -100,10 +100,6 @@ class ChatController(QObject):
         """The request the engine is working on (its `cancel` event is what Stop sets)."""
         return self._reply.request if self._reply else None
 
-    @property
-    def generating_message_id(self) -> int | None:
-        return self._reply.message_id if self._reply else None
-
     def load_model(self, spec: str | None = None) -> None:
         if spec is not None and spec != self.settings.target:
             self.settings = replace(self.settings, target=spec)

@@ -10,6 +10,7 @@ queued has finished (`mx.synchronize`): no stream is charged for another's passe
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ def take_turns(streams: Mapping[str, Iterator], turn_over: Callable[[int, float]
                     continue
                 live[name] = events
             else:  # no progress events at all (or one that skipped them): decode at once
-                live[name] = _prepend(ev, events)
+                live[name] = itertools.chain([ev], events)
             break
         else:
             raise RuntimeError(f"{name}: the reply ended without a Finished event")
@@ -68,8 +69,7 @@ def take_turns(streams: Mapping[str, Iterator], turn_over: Callable[[int, float]
                 if isinstance(ev, Finished):
                     finished = ev
                     break
-                now = time.perf_counter()
-                yield TurnEvent(name, ev, own[name] + now - t0)
+                yield TurnEvent(name, ev, own[name] + time.perf_counter() - t0)
                 if isinstance(ev, Step):
                     steps += 1
                     if turn_over(steps, time.perf_counter() - t0):
@@ -81,8 +81,3 @@ def take_turns(streams: Mapping[str, Iterator], turn_over: Callable[[int, float]
             if finished is not None:
                 del live[name]
                 yield TurnEvent(name, finished, own[name])
-
-
-def _prepend(first, rest: Iterator) -> Iterator:
-    yield first
-    yield from rest
