@@ -13,11 +13,11 @@ import pytest  # noqa: E402
 from PySide6.QtCore import QSettings  # noqa: E402
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-from app.controller import ChatController  # noqa: E402
-from app.main_window import MainWindow  # noqa: E402
 from app.store import Store  # noqa: E402
-from app.theme import apply_theme  # noqa: E402
-from app.worker import ChatSettings, EngineHost  # noqa: E402
+from app.ui.controller import ChatController  # noqa: E402
+from app.ui.main_window import MainWindow  # noqa: E402
+from app.ui.theme import apply_theme  # noqa: E402
+from app.ui.worker import ChatSettings, EngineHost  # noqa: E402
 
 SCREENSHOTS = Path(__file__).resolve().parents[1] / "artifacts" / "screenshots"
 

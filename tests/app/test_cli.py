@@ -251,7 +251,7 @@ def _maps_once_mlx_is_loaded(proc: subprocess.Popen, deadline: float) -> str:
 def test_launcher_preloads_openblas(chain: Path, tmp_path: Path, no_reexec: bool) -> None:
     """Started without LD_PRELOAD, the CLI re-execs itself once with OpenBLAS preloaded
     (same pid); UNDERSTUDY_NO_REEXEC=1 turns that off (the negative control)."""
-    from app.launcher import openblas_path
+    from app.cli.launcher import openblas_path
 
     if openblas_path() is None:
         pytest.skip("system OpenBLAS (libopenblas0-pthread) is not installed")

@@ -12,9 +12,9 @@ from PySide6.QtGui import QGuiApplication, QHelpEvent, QTextCursor, QTextDocumen
 from PySide6.QtWidgets import QApplication, QToolTip
 
 from app.store import COMPLETE, STOPPED, stats_from_dict
-from app.theme import is_dark
-from app.token_render import KIND_STYLES
-from app.worker import ChatSettings
+from app.ui.theme import is_dark
+from app.ui.token_render import KIND_STYLES
+from app.ui.worker import ChatSettings
 from engine.events import Step, TokenKind
 
 TIMEOUT = 60_000
@@ -291,9 +291,9 @@ def test_comparison_is_a_race_both_texts_arrive_at_once(qtbot, make_gui, tiny_pa
                                                           monkeypatch) -> None:
     """The two runs take turns (one step each here), so plain steps arrive while the
     speculative reply is still coming; each gauge counts only its own turns."""
-    import app.worker
+    import app.ui.worker
 
-    monkeypatch.setattr(app.worker, "RACE_TURN_S", 0.0)
+    monkeypatch.setattr(app.ui.worker, "RACE_TURN_S", 0.0)
     target, draft = tiny_pair
     gui = make_gui(spec_settings(target, draft, max_tokens=60))
     arrivals: list[str] = []
@@ -316,9 +316,9 @@ def test_comparison_is_a_race_both_texts_arrive_at_once(qtbot, make_gui, tiny_pa
 
 
 def test_stopping_a_race_stops_both_runs(qtbot, make_gui, tiny_pair, monkeypatch) -> None:
-    import app.worker
+    import app.ui.worker
 
-    monkeypatch.setattr(app.worker, "RACE_TURN_S", 0.0)
+    monkeypatch.setattr(app.ui.worker, "RACE_TURN_S", 0.0)
     target, draft = tiny_pair
     gui = make_gui(spec_settings(target, draft, max_tokens=5000))
     finished: list[object] = []
@@ -428,7 +428,7 @@ def test_window_state_and_settings_persist(qtbot, make_gui, tiny_pair) -> None:
     gui.window.settings_panel.seed.setValue(42)
     assert gui.controller.settings.temperature == 0.7 and gui.controller.settings.seed == 42
     gui.close()
-    from app.main_window import load_chat_settings
+    from app.ui.main_window import load_chat_settings
 
     restored = load_chat_settings(gui.qsettings)
     assert restored.temperature == 0.7 and restored.seed == 42
@@ -452,9 +452,9 @@ import os, sys
 os.environ["QT_QPA_PLATFORM"] = "offscreen"
 from PySide6.QtWidgets import QApplication
 app = QApplication([])
-from app.controller import ChatController
+from app.ui.controller import ChatController
 from app.store import Store
-from app.worker import ChatSettings, EngineHost
+from app.ui.worker import ChatSettings, EngineHost
 store = Store(sys.argv[1])
 host = EngineHost()
 controller = ChatController(store, host, ChatSettings(target=sys.argv[2], drafter="off",
@@ -514,8 +514,8 @@ os.environ["QT_QPA_PLATFORM"] = "offscreen"
 from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication
 app = QApplication([])
-from app.gui import run_gui
-from app.main_window import MainWindow
+from app.ui.gui import run_gui
+from app.ui.main_window import MainWindow
 
 def poll():
     wins = [w for w in app.topLevelWidgets() if isinstance(w, MainWindow)]

@@ -13,9 +13,9 @@ from PySide6.QtCore import QUrl
 from PySide6.QtGui import QGuiApplication
 
 from app.store import COMPLETE
-from app.theme import is_dark
-from app.token_render import KIND_STYLES
-from app.worker import ChatSettings
+from app.ui.theme import is_dark
+from app.ui.token_render import KIND_STYLES
+from app.ui.worker import ChatSettings
 from engine.events import Step, TokenKind
 from tests.app.test_gui import fragments, kind_of
 

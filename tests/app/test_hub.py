@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.hub import (
+from app.hub.api import (
     HubAuthError,
     HubConfig,
     HubError,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from app import models_cli
+from app.cli import models as models_cli
 from tests.fixtures.hub_server import FakeRepo, HubServer, closed_port_endpoint, isolate_hub_env
 from tests.fixtures.tiny_models import write_tiny_model
 

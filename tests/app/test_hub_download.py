@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.hub import (
+from app.hub.api import (
     DownloadIntegrityError,
     HubAuthError,
     HubConfig,
@@ -18,7 +18,7 @@ from app.hub import (
     HubOfflineError,
     UnsafeRepoFileError,
 )
-from app.hub_download import (
+from app.hub.download import (
     DownloadCancelled,
     DownloadProgress,
     download_model,

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from app.catalog import compatible_drafts, load_catalog, recommended_drafts
-from app.hub import HubConfig
-from app.hub_download import download_model, repo_folder
-from app.library import delete_model, find_model, import_model, list_models
+from app.hub.api import HubConfig
+from app.hub.catalog import compatible_drafts, load_catalog, recommended_drafts
+from app.hub.download import download_model, repo_folder
+from app.hub.library import delete_model, find_model, import_model, list_models
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
 from engine.paths import models_dir
 from tests.fixtures.hub_server import FakeRepo, HubServer, isolate_hub_env

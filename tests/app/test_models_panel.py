@@ -25,11 +25,11 @@ from PySide6.QtCore import QSettings, Qt, QThread
 from PySide6.QtWidgets import QApplication, QFileDialog, QMessageBox
 
 import engine.gguf
-from app.catalog import compatible_drafts, load_catalog
-from app.hub_download import repo_folder
-from app.models_controller import ModelsController
-from app.models_panel import ModelsPanel
-from app.worker import ChatSettings
+from app.hub.catalog import compatible_drafts, load_catalog
+from app.hub.download import repo_folder
+from app.ui.models_controller import ModelsController
+from app.ui.models_panel import ModelsPanel
+from app.ui.worker import ChatSettings
 from tests.engine.test_gguf import write_tiny_gguf
 from tests.fixtures.hub_server import FakeRepo, HubServer, closed_port_endpoint, isolate_hub_env
 from tests.fixtures.tiny_models import write_tiny_model
@@ -464,7 +464,7 @@ def test_gguf_import_runs_on_the_engine_thread_and_reaches_the_picker(qtbot, gui
 def test_without_a_keychain_the_token_is_kept_for_the_session_only(qtbot, cache, tmp_path):
     from keyring.backends import fail
 
-    from app.preferences import PreferencesDialog
+    from app.ui.preferences import PreferencesDialog
 
     previous = keyring.get_keyring()
     keyring.set_keyring(fail.Keyring())

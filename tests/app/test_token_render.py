@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from PySide6.QtGui import QTextDocument
 
-from app.gauge import RateTracker
 from app.store import Message
-from app.token_render import (
+from app.ui.gauge import RateTracker
+from app.ui.token_render import (
     KIND_STYLES,
     footer_text,
     markdown_html,
@@ -118,7 +118,7 @@ def test_rate_tracker_never_reports_a_burst() -> None:
 
 
 def test_conversation_markdown_export() -> None:
-    from app.token_render import conversation_markdown
+    from app.ui.token_render import conversation_markdown
 
     stats = {"generated_tokens": 10, "decode_s": 2.0, "target_passes": 5, "n_drafted": 8,
              "n_accepted": 5}

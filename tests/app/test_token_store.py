@@ -10,7 +10,7 @@ import pytest
 from keyring.backend import KeyringBackend
 from keyring.backends import fail
 
-from app.token_store import SERVICE, USERNAME, TokenStore, TokenStoreError, mask
+from app.hub.token_store import SERVICE, USERNAME, TokenStore, TokenStoreError, mask
 
 SECRET = "hf_TopSecretValue0987654321"
 

@@ -60,8 +60,8 @@ def _hf_cached_models() -> list[tuple[str, Path]]:
     has a snapshot folder too; `snapshot_status` is the one judge of "ready", so the
     pickers never offer a model the loader would refuse.
     """
-    from app.hub import hf_cache_dir
-    from app.hub_download import snapshot_status
+    from app.hub.api import hf_cache_dir
+    from app.hub.download import snapshot_status
 
     try:
         cache = hf_cache_dir()

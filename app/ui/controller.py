@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from PySide6.QtCore import QObject, Signal
 
 from app.store import COMPLETE, FAILED, STOPPED, Message, Store
-from app.worker import ChatSettings, EngineHost, GenerationRequest, ModelInfo
+from app.ui.worker import ChatSettings, EngineHost, GenerationRequest, ModelInfo
 from engine.events import Finished, Stats, Step
 
 TITLE_LENGTH = 48

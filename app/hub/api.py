@@ -1,7 +1,7 @@
 """Hugging Face hub access for the model manager: search, repo details, account check.
 
 Plain Python, no Qt: the GUI runs these blocking calls in executor threads and the
-`understudy models` CLI calls them directly. Downloads live in `app.hub_download`.
+`understudy models` CLI calls them directly. Downloads live in `app.hub.download`.
 
 Every call takes a `HubConfig`, read at call time rather than at import (huggingface_hub
 reads HF_ENDPOINT, HF_HUB_CACHE and HF_HUB_OFFLINE once, when it is imported), so a changed

@@ -29,8 +29,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.controller import ChatController
 from app.store import Conversation, Store
+from app.ui.controller import ChatController
 
 ConversationIdRole = Qt.ItemDataRole.UserRole + 1
 Index = QModelIndex | QPersistentModelIndex

@@ -14,7 +14,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Any
 
-from app.launcher import ensure_openblas
+from app.cli.launcher import ensure_openblas
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
 
     try:
-        from app import models_cli
+        from app.cli import models as models_cli
     except ImportError:
         models_cli = None
     if models_cli is not None:
@@ -243,7 +243,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_gui(model: str = "demo") -> int:
-    from app.gui import run_gui
+    from app.ui.gui import run_gui
 
     return run_gui(model)
 
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             return cmd_gui()
         if args.command == "models":
-            from app import models_cli
+            from app.cli import models as models_cli
 
             return models_cli.run(args)
         return COMMANDS[args.command](args)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.hub import (
+from app.hub.api import (
     INDEX_FILE,
     LIBRARY_NAME,
     DownloadIntegrityError,
@@ -318,7 +318,7 @@ def download_model(
     min_interval_s: float = 0.1,
     allow_unsupported: bool = False,
 ) -> DownloadResult:
-    """Fetch what `repo_id` needs to run (see `app.hub.select_files`) into the HF cache.
+    """Fetch what `repo_id` needs to run (see `app.hub.api.select_files`) into the HF cache.
 
     Raises:
         DownloadCancelled: `cancel` was set; call again to continue.

@@ -1,7 +1,7 @@
 """Table models behind the Models panel: hub search hits, the local library, pairs.
 
 They know no widgets (views attach to them); each row is one frozen dataclass from
-`app.hub`, `app.library` or `app.catalog`, returned whole under `ItemRole`.
+`app.hub.api`, `app.hub.library` or `app.hub.catalog`, returned whole under `ItemRole`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typing import Any
 from PySide6.QtCore import QAbstractTableModel, QModelIndex, QPersistentModelIndex, Qt
 from PySide6.QtGui import QColor
 
-from app.catalog import RecommendedPair
-from app.hub import RepoSummary, format_bytes, format_params
-from app.hub_download import DownloadProgress
-from app.library import LocalModel
-from app.theme import is_dark
+from app.hub.api import RepoSummary, format_bytes, format_params
+from app.hub.catalog import RecommendedPair
+from app.hub.download import DownloadProgress
+from app.hub.library import LocalModel
+from app.ui.theme import is_dark
 
 Index = QModelIndex | QPersistentModelIndex
 ItemRole = Qt.ItemDataRole.UserRole + 1

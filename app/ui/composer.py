@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.controller import ChatController
+from app.ui.controller import ChatController
 
 MAX_LINES = 8
 

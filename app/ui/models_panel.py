@@ -3,7 +3,7 @@
 Three tabs over one `ModelsController` (hub search, library, recommended pairs) and a
 download strip below them that stays visible whichever tab is showing: what is being
 fetched, a progress bar, speed and ETA, Cancel. Table data lives in the widget-free
-models of `app.models_tables`; the panel is a thin view that turns clicks into
+models of `app.ui.models_tables`; the panel is a thin view that turns clicks into
 controller calls and controller signals into text.
 """
 
@@ -33,12 +33,12 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.catalog import RecommendedPair
-from app.hub import RepoDetails, RepoSummary, format_bytes, format_params
-from app.hub_download import DownloadProgress, DownloadResult
-from app.library import LocalModel
-from app.models_controller import ModelsController
-from app.models_tables import (
+from app.hub.api import RepoDetails, RepoSummary, format_bytes, format_params
+from app.hub.catalog import RecommendedPair
+from app.hub.download import DownloadProgress, DownloadResult
+from app.hub.library import LocalModel
+from app.ui.models_controller import ModelsController
+from app.ui.models_tables import (
     PROGRESS_STEPS,
     RIGHT,
     HubResultsModel,

@@ -20,11 +20,11 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat_view import TokenBrowser
-from app.controller import ChatController, ComparisonResult
-from app.gauge import GaugeWidget
-from app.theme import widget_is_dark
-from app.token_render import tokens_html, wrap_pre
+from app.ui.chat_view import TokenBrowser
+from app.ui.controller import ChatController, ComparisonResult
+from app.ui.gauge import GaugeWidget
+from app.ui.theme import widget_is_dark
+from app.ui.token_render import tokens_html, wrap_pre
 from engine.events import Stats, Step
 
 

@@ -3,7 +3,7 @@
 Nothing here touches the network. HF-cache entries come from huggingface_hub's cache
 layout (`models--org--name/{refs,snapshots,blobs}`); a repo is listed once its download has
 started (a weights file or an Understudy manifest exists), and is ready only when
-`app.hub_download.snapshot_status` says every expected file is there with the expected
+`app.hub.download.snapshot_status` says every expected file is there with the expected
 size. Repos whose details were merely looked at (config.json alone) stay hidden.
 
 Imported folders are *copied* into `engine.paths.models_dir()` (model files only, via a
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from app.hub import MODEL_FILES, hf_cache_dir
-from app.hub_download import manifest_path, read_manifest, repo_folder, snapshot_status
+from app.hub.api import MODEL_FILES, hf_cache_dir
+from app.hub.download import manifest_path, read_manifest, repo_folder, snapshot_status
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
 from engine.paths import models_dir
 

@@ -24,9 +24,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.models_controller import ModelsController
-from app.models_tables import good_bad
-from app.token_store import TokenStatus
+from app.hub.token_store import TokenStatus
+from app.ui.models_controller import ModelsController
+from app.ui.models_tables import good_bad
 
 TOKENS_URL = "https://huggingface.co/settings/tokens"
 

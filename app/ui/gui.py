@@ -11,11 +11,11 @@ import sys
 
 from PySide6.QtWidgets import QApplication
 
-from app.controller import ChatController
-from app.main_window import MainWindow, load_chat_settings, settings_store
 from app.store import Store, StoreError
-from app.theme import apply_theme
-from app.worker import EngineHost
+from app.ui.controller import ChatController
+from app.ui.main_window import MainWindow, load_chat_settings, settings_store
+from app.ui.theme import apply_theme
+from app.ui.worker import EngineHost
 
 
 def run_gui(model_spec: str = "demo") -> int:

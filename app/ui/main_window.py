@@ -33,23 +33,23 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.chat_view import ChatView
-from app.comparison import ComparisonView
-from app.composer import Composer
-from app.controller import ChatController
-from app.gauge import GaugeWidget
-from app.settings_panel import SettingsPanel
-from app.sidebar import Sidebar
 from app.store import Message
-from app.token_render import conversation_markdown
-from app.worker import ChatSettings, ModelInfo
+from app.ui.chat_view import ChatView
+from app.ui.comparison import ComparisonView
+from app.ui.composer import Composer
+from app.ui.controller import ChatController
+from app.ui.gauge import GaugeWidget
+from app.ui.settings_panel import SettingsPanel
+from app.ui.sidebar import Sidebar
+from app.ui.token_render import conversation_markdown
+from app.ui.worker import ChatSettings, ModelInfo
 from engine.events import Stats, Step
 
 if TYPE_CHECKING:
-    from app.library import LocalModel
-    from app.models_controller import ModelsController
-    from app.models_panel import ModelsPanel
-    from app.preferences import PreferencesDialog
+    from app.hub.library import LocalModel
+    from app.ui.models_controller import ModelsController
+    from app.ui.models_panel import ModelsPanel
+    from app.ui.preferences import PreferencesDialog
 
 
 class ErrorBanner(QFrame):
@@ -276,7 +276,7 @@ class MainWindow(QMainWindow):
     def models_controller(self) -> ModelsController:
         """The model manager's logic, made on first use (it reads the keychain lazily too)."""
         if self._models_controller is None:
-            from app.models_controller import ModelsController
+            from app.ui.models_controller import ModelsController
 
             mc = ModelsController(self.qsettings, mlx_thread=self.controller.host.thread,
                                   parent=self)
@@ -288,7 +288,7 @@ class MainWindow(QMainWindow):
     def show_models(self) -> ModelsPanel:
         """Open (or raise) the Models panel."""
         if self._models_panel is None:
-            from app.models_panel import ModelsPanel
+            from app.ui.models_panel import ModelsPanel
 
             self._models_panel = ModelsPanel(self.models_controller, self,
                                              in_use=self._model_in_use)
@@ -301,7 +301,7 @@ class MainWindow(QMainWindow):
     def show_hub_settings(self) -> PreferencesDialog:
         """Open the Hugging Face settings (token, offline mode)."""
         if self._preferences is None:
-            from app.preferences import PreferencesDialog
+            from app.ui.preferences import PreferencesDialog
 
             self._preferences = PreferencesDialog(self.models_controller, self)
         self._preferences.show()

@@ -1,6 +1,6 @@
 """`understudy models …`: list, search, download, rm, import, pairs.
 
-A thin front end over `app.hub`, `app.hub_download` and `app.library`, which the GUI's
+A thin front end over `app.hub.api`, `app.hub.download` and `app.hub.library`, which the GUI's
 Models panel shares. Errors print one line to stderr and return 1, never a traceback.
 Kept import-light: `app.cli` builds its parser from here even for unrelated commands.
 """
@@ -51,8 +51,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _config(args: argparse.Namespace):
-    from app.hub import HubConfig
-    from app.token_store import TokenStore
+    from app.hub.api import HubConfig
+    from app.hub.token_store import TokenStore
 
     return HubConfig(offline=bool(getattr(args, "offline", False)),
                      timeout_s=float(getattr(args, "timeout", 10.0)), token=TokenStore().get())
@@ -84,8 +84,8 @@ def _table(rows: list[list[str]], out: TextIO) -> None:
 
 
 def _list(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from app.hub import format_bytes
-    from app.library import list_models
+    from app.hub.api import format_bytes
+    from app.hub.library import list_models
 
     rows = [["NAME", "KIND", "TYPE", "SIZE", "STATUS"]]
     for m in list_models(_config(args).cache):
@@ -96,7 +96,7 @@ def _list(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _search(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from app.hub import DEFAULT_AUTHOR, format_bytes, format_params, search_models
+    from app.hub.api import DEFAULT_AUTHOR, format_bytes, format_params, search_models
 
     author = None if args.all_authors else (args.author or DEFAULT_AUTHOR)
     hits = search_models(args.query, _config(args), author=author, limit=args.limit)
@@ -127,7 +127,7 @@ class _ProgressLine:
         self.last_file = ""
 
     def __call__(self, p) -> None:
-        from app.hub import format_bytes
+        from app.hub.api import format_bytes
 
         eta = "?" if p.eta_s is None else _clock(p.eta_s)
         line = (f"{p.file}  {format_bytes(p.done_bytes)} / {format_bytes(p.total_bytes)}  "
@@ -144,7 +144,7 @@ class _ProgressLine:
 
 
 def _download(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from app.hub_download import DownloadCancelled, download_model
+    from app.hub.download import DownloadCancelled, download_model
 
     line = _ProgressLine(err)
     try:
@@ -163,8 +163,8 @@ def _download(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _rm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from app.hub import format_bytes
-    from app.library import delete_model, find_model
+    from app.hub.api import format_bytes
+    from app.hub.library import delete_model, find_model
     from engine.errors import EngineError
 
     cache = _config(args).cache
@@ -184,8 +184,8 @@ def _rm(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _import(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from app.hub import format_bytes
-    from app.library import import_model
+    from app.hub.api import format_bytes
+    from app.hub.library import import_model
 
     model = import_model(args.path, args.name)
     print(f"imported {model.name} ({format_bytes(model.size_bytes)}) into {model.path}", file=out)
@@ -194,8 +194,8 @@ def _import(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _pairs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from app.catalog import load_catalog
-    from app.hub import format_bytes
+    from app.hub.api import format_bytes
+    from app.hub.catalog import load_catalog
 
     for p in load_catalog():
         print(f"{p.title}\n  target: {p.target.repo_id} (~{format_bytes(p.target.approx_bytes)})"

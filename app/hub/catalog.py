@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from app.library import LocalModel
+from app.hub.library import LocalModel
 from engine.compat import Compatibility, check_draft_compatible
 from engine.errors import EngineError
 

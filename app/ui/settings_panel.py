@@ -25,9 +25,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.controller import ChatController
-from app.model_choices import available_models, draft_incompatibility
-from app.worker import ACCEPT_RULES, DRAFTER_MODES, ChatSettings, ModelInfo
+from app.hub.model_choices import available_models, draft_incompatibility
+from app.ui.controller import ChatController
+from app.ui.worker import ACCEPT_RULES, DRAFTER_MODES, ChatSettings, ModelInfo
 
 DRAFTER_HELP = {
     "off": "Plain decoding: one target pass per token",

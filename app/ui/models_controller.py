@@ -7,7 +7,7 @@ threads (`loop.run_in_executor`), so the window never freezes and a dead hub cos
 most `HubConfig.timeout_s`. None of it touches MLX, except a GGUF import, which reads the
 file with `mx.load`: that runs on `mlx_thread` (the engine thread) when one is given.
 
-Progress comes from the download's executor thread: `app.hub_download` throttles it
+Progress comes from the download's executor thread: `app.hub.download` throttles it
 (`progress_interval_s`) and emits it through a private signal whose receiver lives on the
 GUI thread, so Qt queues it; the public `download_progressed` is always emitted there.
 
@@ -30,11 +30,11 @@ from typing import Any
 from PySide6.QtCore import QObject, QSettings, QThread, Signal, Slot
 from qasync import asyncSlot
 
-from app.catalog import RecommendedPair, load_catalog
-from app.hub import DEFAULT_AUTHOR, HubAuthError, HubConfig
-from app.hub_download import DownloadCancelled, DownloadProgress, download_model
-from app.library import LocalModel, delete_model, import_model, list_models
-from app.token_store import TokenStatus, TokenStore, mask
+from app.hub.api import DEFAULT_AUTHOR, HubAuthError, HubConfig
+from app.hub.catalog import RecommendedPair, load_catalog
+from app.hub.download import DownloadCancelled, DownloadProgress, download_model
+from app.hub.library import LocalModel, delete_model, import_model, list_models
+from app.hub.token_store import TokenStatus, TokenStore, mask
 from engine.errors import EngineError
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class ModelsController(QObject):
         self.search_started.emit(query)
         config = self.hub_config()
         try:
-            from app.hub import search_models
+            from app.hub.api import search_models
 
             hits = await self._in_executor(search_models, query.strip(), config,
                                            author=None if all_authors else DEFAULT_AUTHOR)
@@ -239,7 +239,7 @@ class ModelsController(QObject):
         self._details_seq += 1
         seq = self._details_seq
         try:
-            from app.hub import repo_details
+            from app.hub.api import repo_details
 
             details = await self._in_executor(repo_details, repo_id, self.hub_config())
         except Exception as e:  # noqa: BLE001
@@ -405,7 +405,7 @@ class ModelsController(QObject):
             self.token_check_failed.emit("No Hugging Face token is set.")
             return
         try:
-            from app.hub import whoami
+            from app.hub.api import whoami
 
             name = await self._in_executor(whoami, self.hub_config(), token)
         except Exception as e:  # noqa: BLE001

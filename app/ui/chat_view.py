@@ -2,7 +2,7 @@
 
 With "show speculation" on, a reply's tokens are coloured by fate (legend at the top) and
 hovering one names its kind and the target's probability; off, the reply is clean Markdown
-with highlighted code blocks and copy links. Both come from `app.token_render`; this module
+with highlighted code blocks and copy links. Both come from `app.ui.token_render`; this module
 only lays them out and reacts to the controller. Rendering during streaming is coalesced
 to one refresh per event-loop turn, so a burst of steps costs one layout.
 """
@@ -25,10 +25,10 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.controller import ChatController
 from app.store import FAILED, GENERATING, INTERRUPTED, STOPPED, Message, stats_from_dict
-from app.theme import widget_is_dark
-from app.token_render import (
+from app.ui.controller import ChatController
+from app.ui.theme import widget_is_dark
+from app.ui.token_render import (
     COPY_SCHEME,
     KIND_STYLES,
     LEGEND_ORDER,
