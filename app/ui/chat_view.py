@@ -9,6 +9,8 @@ to one refresh per event-loop turn, so a burst of steps costs one layout.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QTextCursor, QTextDocument
 from PySide6.QtWidgets import (
@@ -65,6 +67,20 @@ class TokenBrowser(QTextBrowser):
             self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
             self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
         self.viewport().setAutoFillBackground(False)
+
+    def show_reply(self, steps: Sequence[Step], text: str, *, speculation: bool,
+                   show_rejected: bool, dark: bool) -> None:
+        """A reply with its tokens styled by fate, or (`speculation` off) as clean Markdown.
+
+        The chat's cards and the comparison's panes both show replies through this.
+        """
+        if speculation and steps:
+            self.code_blocks = []
+            self.setHtml(wrap_pre(tokens_html(steps, show_rejected=show_rejected, dark=dark)))
+        else:
+            rendered = markdown_html(text, dark)
+            self.code_blocks = rendered.code_blocks
+            self.setHtml(rendered.html)
 
     def _fit_height(self, *_: object) -> None:
         self.setFixedHeight(int(self.document().size().height()) + 4)
@@ -175,14 +191,9 @@ class MessageCard(QFrame):
         if m.role != "assistant":
             self.browser.code_blocks = []
             self.browser.setHtml(plain_html(m.content))
-        elif self.view.show_speculation and self.steps:
-            self.browser.code_blocks = []
-            self.browser.setHtml(wrap_pre(tokens_html(
-                self.steps, show_rejected=self.view.show_rejected, dark=dark)))
         else:
-            rendered = markdown_html(self.text(), dark)
-            self.browser.code_blocks = rendered.code_blocks
-            self.browser.setHtml(rendered.html)
+            self.browser.show_reply(self.steps, self.text(), speculation=self.view.show_speculation,
+                                    show_rejected=self.view.show_rejected, dark=dark)
         self._render_footer()
 
     def _render_footer(self) -> None:

@@ -2,8 +2,8 @@
 
 The controller races the two on the engine worker: they take turns of half a second, so
 both texts arrive at once, each at its own pace (the speculative run is also the chat's
-reply). This view shows each in its own pane with its own gauge, then the measured
-speedup and whether the two texts are identical (with the coupled acceptance rule they
+reply). This view shows each in its own pane with its own gauge (styled by token fate, or
+clean Markdown, as the chat view's "Show speculation" says), then the measured speedup and whether the two texts are identical (with the coupled acceptance rule they
 must be).
 """
 
@@ -24,7 +24,6 @@ from app.ui.chat_view import TokenBrowser
 from app.ui.controller import ChatController, ComparisonResult
 from app.ui.gauge import GaugeWidget
 from app.ui.theme import widget_is_dark
-from app.ui.token_render import tokens_html, wrap_pre
 from engine.events import Stats, Step
 
 
@@ -35,6 +34,8 @@ class ComparisonPane(QFrame):
         super().__init__(parent)
         self.setObjectName("comparisonPane")
         self.steps: list[Step] = []
+        self.show_speculation = True  # follows the chat view's "Show speculation"
+        self.show_rejected = True
         self.title = QLabel(title)
         self.title.setObjectName("paneTitle")
         self.browser = TokenBrowser(fit_height=False)
@@ -62,7 +63,8 @@ class ComparisonPane(QFrame):
         self._timer.start()
 
     def render(self) -> None:
-        self.browser.setHtml(wrap_pre(tokens_html(self.steps, dark=widget_is_dark(self))))
+        self.browser.show_reply(self.steps, self.text(), speculation=self.show_speculation,
+                                show_rejected=self.show_rejected, dark=widget_is_dark(self))
         bar = self.browser.verticalScrollBar()
         bar.setValue(bar.maximum())
 
@@ -105,6 +107,17 @@ class ComparisonView(QWidget):
         controller.plain_step_received.connect(self._on_plain_step_received)
         controller.comparison_finished.connect(self._on_comparison_finished)
         controller.generating_changed.connect(self._on_generating_changed)
+
+    def set_show_speculation(self, on: bool) -> None:
+        """Tokens styled by fate, or clean Markdown, as in the chat view."""
+        for pane in (self.speculative, self.plain):
+            pane.show_speculation = on
+            pane.render()
+
+    def set_show_rejected(self, on: bool) -> None:
+        for pane in (self.speculative, self.plain):
+            pane.show_rejected = on
+            pane.render()
 
     def _on_comparison_started(self, spec_label: str, plain_label: str) -> None:
         self.active = True

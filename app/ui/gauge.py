@@ -4,11 +4,16 @@ Speculative decoding commits tokens in bursts (several accepted tokens per targe
 an instantaneous per-token rate would jump wildly. The headline number is the engine's
 wall-time rate over the whole reply (`Stats.decode_tps`); the sparkline plots a rate over a
 trailing window of at least `window_s` seconds of wall time, measured between step
-boundaries, so a burst is averaged with the wait that preceded it.
+boundaries, so a burst is averaged with the wait that preceded it. Even so the first steps
+of a reply can read far above the rest (a burst over a sliver of decode time), so the
+sparkline's full height is a high percentile of the later values (`sparkline_top`), and the
+few values above it are clipped rather than flattening the whole line.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from PySide6.QtCore import QPointF, QRectF, QSize, Qt
@@ -59,8 +64,28 @@ class RateTracker:
         return (n_now - n_then) / span if span > 0 else 0.0
 
 
+SPARK_SKIP = 3  # the first steps' rates are the least settled; they never set the scale
+SPARK_PERCENTILE = 95  # values above this percentile are clipped to the top
+
+
+def sparkline_top(values: Sequence[float], skip: int = SPARK_SKIP,
+                  percentile: int = SPARK_PERCENTILE) -> float:
+    """The value a sparkline draws at full height: robust to a first burst and outliers.
+
+    The `percentile`-th percentile of the positive values after the first `skip` (of all
+    of them while there are too few); 1.0 when none is positive.
+    """
+    body = [v for v in values[skip:] if v > 0] if len(values) > skip + 1 else []
+    body = body or [v for v in values if v > 0]
+    if not body:
+        return 1.0
+    if len(body) == 1:
+        return body[0]
+    return statistics.quantiles(body, n=100, method="inclusive")[percentile - 1]
+
+
 class Sparkline(QWidget):
-    """A small line chart of the recent tokens/s values, scaled to its own maximum."""
+    """A small line chart of the recent tokens/s values, scaled by `sparkline_top`."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -85,11 +110,12 @@ class Sparkline(QWidget):
         vals = self.values
         if len(vals) < 2:
             return
-        top = max(vals) or 1.0
+        top = sparkline_top(vals)
         step = rect.width() / (len(vals) - 1)
         path = QPainterPath()
         for i, v in enumerate(vals):
-            point = QPointF(rect.left() + i * step, rect.bottom() - rect.height() * v / top)
+            height = rect.height() * min(max(v, 0.0) / top, 1.0)
+            point = QPointF(rect.left() + i * step, rect.bottom() - height)
             path.lineTo(point) if i else path.moveTo(point)
         accent = self.palette().color(QPalette.ColorRole.Highlight)
         fill = QPainterPath(path)

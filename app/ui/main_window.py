@@ -178,6 +178,14 @@ class MainWindow(QMainWindow):
         self.chat_view.edit_requested.connect(self.composer.begin_edit)
         self.sidebar.export_requested.connect(self.export_conversation)
         self.settings_panel.models_requested.connect(self.show_models)
+        self.chat_view.speculation_box.toggled.connect(self.comparison_view.set_show_speculation)
+        self.chat_view.rejected_box.toggled.connect(self.comparison_view.set_show_rejected)
+        # A click leaves keyboard focus on the button, where the next question would go
+        # nowhere (and Enter or Space would press it again): typing goes back to the composer.
+        for button in (self.compare_button, self.chat_view.speculation_box,
+                       self.chat_view.rejected_box, self.comparison_view.replay_button,
+                       self.sidebar.new_button):
+            button.clicked.connect(self.focus_composer)
         controller.error_raised.connect(self.banner.show_message)
         controller.model_loading.connect(self._on_model_loading)
         controller.model_loaded.connect(self._on_model_loaded)
@@ -265,6 +273,9 @@ class MainWindow(QMainWindow):
         if self.compare_button.isChecked() != on:
             self.compare_button.setChecked(on)
         self.stack.setCurrentWidget(self.comparison_view if on else self.chat_view)
+
+    def focus_composer(self) -> None:
+        self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
 
     def show_settings(self) -> None:
         self.panel_action.setChecked(True)

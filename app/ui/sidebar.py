@@ -25,6 +25,8 @@ from PySide6.QtWidgets import (
     QMenu,
     QMessageBox,
     QPushButton,
+    QStyledItemDelegate,
+    QStyleOptionViewItem,
     QVBoxLayout,
     QWidget,
 )
@@ -90,6 +92,20 @@ class ConversationListModel(QAbstractListModel):
         return self._rows[row]
 
 
+class ElidingDelegate(QStyledItemDelegate):
+    """Rows that ask for no width of their own.
+
+    A list view lays rows out at their text's width and scrolls sideways for a long title;
+    asking for none makes every row as wide as the view, so the title is elided ("…") and
+    the full one is in the tooltip.
+    """
+
+    def sizeHint(self, option: QStyleOptionViewItem, index: Index):  # noqa: N802 - Qt override
+        size = super().sizeHint(option, index)
+        size.setWidth(1)
+        return size
+
+
 class Sidebar(QWidget):
     export_requested = Signal(int)  # conversation id
 
@@ -107,6 +123,9 @@ class Sidebar(QWidget):
                                        | QAbstractItemView.EditTrigger.EditKeyPressed)
         self.list_view.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
         self.list_view.setUniformItemSizes(True)
+        self.list_view.setItemDelegate(ElidingDelegate(self.list_view))
+        self.list_view.setTextElideMode(Qt.TextElideMode.ElideRight)
+        self.list_view.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
 
         top = QHBoxLayout()
         top.setContentsMargins(0, 0, 0, 0)

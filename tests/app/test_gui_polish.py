@@ -1,0 +1,96 @@
+"""Rough edges of the main window: focus after a click, long titles, the comparison's views."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt
+
+from app.ui.gauge import sparkline_top
+from app.ui.sidebar import ConversationIdRole
+from tests.app.test_gui import (
+    TIMEOUT,
+    fragments,
+    kind_of,
+    plain_settings,
+    send_by_keyboard,
+    spec_settings,
+    wait_idle,
+)
+
+SHOTS = "/tmp/shots"
+
+
+def test_a_clicked_toolbar_button_hands_the_keyboard_back_to_the_composer(qtbot, make_gui,
+                                                                          tiny_pair) -> None:
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=24))
+    window = gui.window
+    for button in (window.chat_view.rejected_box, window.chat_view.speculation_box):
+        before = button.isChecked()
+        qtbot.mouseClick(button, Qt.MouseButton.LeftButton)
+        assert button.isChecked() != before
+        assert window.focusWidget() is window.composer.edit
+        qtbot.mouseClick(button, Qt.MouseButton.LeftButton)  # back as it was
+
+    qtbot.mouseClick(window.compare_button, Qt.MouseButton.LeftButton)
+    assert window.comparison_mode
+    assert window.focusWidget() is window.composer.edit
+    # the question typed next lands in the composer, and Enter sends it (not a toggle)
+    with qtbot.waitSignal(gui.controller.comparison_finished, timeout=TIMEOUT):
+        send_by_keyboard(qtbot, gui, "Why is the sky blue?")
+    wait_idle(qtbot, gui)
+    assert window.comparison_mode
+    assert gui.store.messages(gui.controller.conversation_id)[0].content == "Why is the sky blue?"
+
+    qtbot.mouseClick(window.comparison_view.replay_button, Qt.MouseButton.LeftButton)
+    assert window.focusWidget() is window.composer.edit
+    wait_idle(qtbot, gui)
+
+
+def test_comparison_panes_follow_show_speculation(qtbot, make_gui, tiny_pair) -> None:
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=60))
+    window = gui.window
+    window.resize(1280, 800)
+    window.compare_action.trigger()
+    with qtbot.waitSignal(gui.controller.comparison_finished, timeout=TIMEOUT) as blocker:
+        send_by_keyboard(qtbot, gui, "The cat sat on the mat.")
+    wait_idle(qtbot, gui)
+    view = window.comparison_view
+    panes = (view.speculative, view.plain)
+
+    def styled(pane) -> int:
+        return sum(kind_of(fmt) is not None for _, fmt, _ in fragments(pane.browser.document()))
+
+    assert all(styled(p) > 0 for p in panes)
+    spark = view.speculative.gauge.sparkline.values
+    assert len(spark) > 3 and sparkline_top(spark) <= max(spark)
+    window.grab().save(f"{SHOTS}/comparison_speculation.png")
+
+    window.speculation_action.trigger()  # View ▸ Show Speculation off: clean Markdown
+    assert not window.chat_view.show_speculation
+    assert all(styled(p) == 0 for p in panes)
+    assert view.plain.browser.document().toPlainText().strip() == \
+        blocker.args[0].plain_text.strip()
+    window.grab().save(f"{SHOTS}/comparison_markdown.png")
+
+    window.speculation_action.trigger()
+    assert all(styled(p) > 0 for p in panes)
+
+
+def test_long_chat_titles_are_elided_with_the_full_title_on_hover(qtbot, make_gui,
+                                                                  tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0]))
+    title = "A question about " + "very " * 30 + "long titles in the sidebar"
+    cid = gui.controller.new_conversation()
+    gui.controller.rename_conversation(cid, title)
+    gui.controller.new_conversation()
+    sidebar = gui.window.sidebar
+    view = sidebar.list_view
+    qtbot.waitUntil(lambda: view.model().rowCount() == 2)
+    index = next(view.model().index(r, 0) for r in range(2)
+                 if view.model().index(r, 0).data(ConversationIdRole) == cid)
+    assert view.horizontalScrollBar().maximum() == 0
+    assert not view.horizontalScrollBar().isVisible()
+    assert view.visualRect(index).width() <= view.viewport().width()
+    assert title in index.data(Qt.ItemDataRole.ToolTipRole)
+    sidebar.grab().save(f"{SHOTS}/sidebar_long_title.png")
