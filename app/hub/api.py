@@ -144,6 +144,12 @@ class RepoSummary:
     n_params: int | None
     size_bytes: int | None  # weights only, estimated from the safetensors listing
 
+    @property
+    def loadable(self) -> bool:
+        """Understudy can run it, as far as the listing tells: a supported architecture
+        with safetensors weights (a GGUF-only repo of a llama model is not)."""
+        return self.supported is True and self.size_bytes is not None
+
 
 @dataclass(frozen=True)
 class RepoFile:
@@ -380,9 +386,28 @@ def _get_json(config: HubConfig, path: str, params: dict[str, Any] | None, what:
         raise translate_error(e, config, repo_id, what) from None
 
 
-def search_models(query: str, config: HubConfig, *, author: str | None = DEFAULT_AUTHOR,
-                  limit: int = 30) -> list[RepoSummary]:
-    """Repos matching `query` (by `author`, None for all), most downloaded first."""
+def preferred_author() -> str | None:
+    """The author whose repos rank first in a search: mlx-community where the backend keeps
+    weights quantized as stored (Metal, CUDA), since its repos are MLX-quantized; none on
+    the CPU backend, which dequantizes every model to float32 at load anyway."""
+    from engine.loading import default_backend
+
+    return DEFAULT_AUTHOR if default_backend() != "cpu" else None
+
+
+def rank_hits(hits: list[RepoSummary], prefer_author: str | None = None) -> list[RepoSummary]:
+    """Loadable repos first, then those the listing cannot judge, then the rest; within
+    each, `prefer_author`'s repos first; otherwise the hub's order (most downloaded)."""
+    def key(h: RepoSummary) -> tuple[int, int]:
+        tier = 0 if h.loadable else 1 if h.supported is None else 2
+        return tier, 0 if prefer_author and h.repo_id.split("/")[0] == prefer_author else 1
+
+    return sorted(hits, key=key)  # stable: keeps the download order inside a tier
+
+
+def search_models(query: str, config: HubConfig, *, author: str | None = None,
+                  limit: int = 30, prefer_author: str | None = None) -> list[RepoSummary]:
+    """Repos matching `query` by every author (or only `author`), ranked by `rank_hits`."""
     require_online(config, "search the hub")
     from huggingface_hub.hf_api import ModelInfo
 
@@ -393,7 +418,8 @@ def search_models(query: str, config: HubConfig, *, author: str | None = DEFAULT
     data = _get_json(config, "/api/models", params, "search")
     if not isinstance(data, list):
         raise HubError("The hub's search answer was not a list.")
-    return [_summary(ModelInfo(**{"siblings": None, **item})) for item in data]
+    hits = [_summary(ModelInfo(**{"siblings": None, **item})) for item in data]
+    return rank_hits(hits, prefer_author)
 
 
 def whoami(config: HubConfig, token: str) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 from PySide6.QtCore import QObject, QSettings, QThread, Signal, Slot
 from qasync import asyncSlot
 
-from app.hub.api import DEFAULT_AUTHOR, HubAuthError, HubConfig
+from app.hub.api import HubAuthError, HubConfig
 from app.hub.catalog import RecommendedPair, load_catalog
 from app.hub.download import DownloadCancelled, DownloadProgress, download_model
 from app.hub.library import LocalModel, delete_model, import_model, list_models
@@ -214,18 +214,20 @@ class ModelsController(QObject):
         return await future
 
     # -- search and details -------------------------------------------------------------
-    @asyncSlot(str, bool)
-    async def search(self, query: str, all_authors: bool = False) -> None:
-        """Search the hub (mlx-community unless `all_authors`); newest search wins."""
+    @asyncSlot(str, str)
+    async def search(self, query: str, author: str = "") -> None:
+        """Search the hub (every author, or only `author`), loadable repos first; newest
+        search wins."""
         self._search_seq += 1
         seq = self._search_seq
         self.search_started.emit(query)
         config = self.hub_config()
         try:
-            from app.hub.api import search_models
+            from app.hub.api import preferred_author, search_models
 
             hits = await self._in_executor(search_models, query.strip(), config,
-                                           author=None if all_authors else DEFAULT_AUTHOR)
+                                           author=author.strip() or None,
+                                           prefer_author=preferred_author())
         except Exception as e:  # noqa: BLE001 - shown to the user
             if seq == self._search_seq:
                 self.search_failed.emit(_describe(e))

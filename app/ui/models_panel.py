@@ -117,10 +117,14 @@ class ModelsPanel(QDialog):
     # -- construction ------------------------------------------------------------------------
     def _build_hub_tab(self) -> QWidget:
         self.search_edit = QLineEdit()
-        self.search_edit.setPlaceholderText("Search MLX models, e.g. “Qwen3 4bit” (Enter)")
+        self.search_edit.setPlaceholderText("Search models, e.g. “Qwen3 4bit” (Enter)")
         self.search_edit.setClearButtonEnabled(True)
-        self.all_authors_box = QCheckBox("All authors")
-        self.all_authors_box.setToolTip("Off: only mlx-community, whose repos are MLX-ready")
+        self.author_edit = QLineEdit()
+        self.author_edit.setPlaceholderText("any author")
+        self.author_edit.setClearButtonEnabled(True)
+        self.author_edit.setMaximumWidth(160)
+        self.author_edit.setToolTip("Only this org or user, e.g. mlx-community (MLX-quantized "
+                                    "repos); empty searches every author, runnable repos first")
         self.search_button = QPushButton("Search")
         self.results_model = HubResultsModel(self)
         self.results_view = _table(self.results_model)
@@ -135,7 +139,7 @@ class ModelsPanel(QDialog):
         self.download_button.setEnabled(False)
         top = QHBoxLayout()
         top.addWidget(self.search_edit, 1)
-        top.addWidget(self.all_authors_box)
+        top.addWidget(self.author_edit)
         top.addWidget(self.search_button)
         bottom = QHBoxLayout()
         bottom.addWidget(self.details_label, 1)
@@ -147,6 +151,7 @@ class ModelsPanel(QDialog):
         layout.addWidget(self.results_hint)
         layout.addLayout(bottom)
         self.search_edit.returnPressed.connect(self.run_search)
+        self.author_edit.returnPressed.connect(self.run_search)
         self.search_button.clicked.connect(self.run_search)
         self.results_view.selectionModel().selectionChanged.connect(self._on_result_selected)
         self.results_view.doubleClicked.connect(lambda _i: self._on_download_clicked())
@@ -295,16 +300,17 @@ class ModelsPanel(QDialog):
     # -- hub tab ---------------------------------------------------------------------------
     def run_search(self) -> None:
         self.banner.hide()
-        self.controller.search(self.search_edit.text(), self.all_authors_box.isChecked())
+        self.controller.search(self.search_edit.text(), self.author_edit.text().strip())
 
     def _on_search_started(self, query: str) -> None:
         self.results_hint.setText(f"Searching for “{query}”…" if query else "Searching…")
 
     def _on_search_finished(self, hits: list[RepoSummary]) -> None:
         self.results_model.set_rows(hits)
-        who = "all authors" if self.all_authors_box.isChecked() else "mlx-community"
-        self.results_hint.setText(f"{len(hits)} models from {who}, most downloaded first."
-                                  if hits else f"No models from {who} match.")
+        author = self.author_edit.text().strip()
+        who = author or "all authors"
+        self.results_hint.setText(f"{len(hits)} models from {who}: runnable ones first, then "
+                                  "by downloads." if hits else f"No models from {who} match.")
         self.details_label.clear()
         self._sync_download_button()
 

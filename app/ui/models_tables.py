@@ -99,7 +99,7 @@ class HubResultsModel(_RowsModel):
                 "Size": format_bytes(hit.size_bytes),
                 "Bits": str(hit.bits) if hit.bits else "–",
                 "Params": format_params(hit.n_params),
-                "Supported": {True: "✓", False: "✗", None: "?"}[hit.supported],
+                "Supported": {True: "✓", False: "✗", None: "?"}[_verdict(hit)],
             }[column]
         if role == Qt.ItemDataRole.ToolTipRole:
             if column == "Supported":
@@ -109,7 +109,7 @@ class HubResultsModel(_RowsModel):
             if column == "Size":
                 return "Weights only, from the hub's listing; the exact download is in the details"
         if role == Qt.ItemDataRole.ForegroundRole and column == "Supported":
-            return _color(hit.supported)
+            return _color(_verdict(hit))
         if role == Qt.ItemDataRole.TextAlignmentRole and column not in ("Repo", "Supported"):
             return RIGHT
         if role == Qt.ItemDataRole.TextAlignmentRole and column == "Supported":
@@ -117,13 +117,21 @@ class HubResultsModel(_RowsModel):
         return None
 
 
+def _verdict(hit: RepoSummary) -> bool | None:
+    """✓ runnable, ✗ not, ? the listing cannot tell."""
+    return None if hit.supported is None else hit.loadable
+
+
 def support_tooltip(hit: RepoSummary) -> str:
     from engine.models import SUPPORTED_MODEL_TYPES
 
     if hit.supported is None:
         return "The listing does not name the architecture; select the row for details"
-    if hit.supported:
+    if hit.loadable:
         return f"Understudy runs {hit.model_type} models"
+    if hit.supported:
+        return ("No safetensors weights in this repo; a GGUF file can be added with "
+                "File ▸ Import GGUF…")
     return (f"model_type {hit.model_type!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
 

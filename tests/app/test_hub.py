@@ -59,17 +59,31 @@ def _config(hub: HubServer, **kw) -> HubConfig:
 
 
 def test_search_filters_by_author_and_sorts_by_downloads(hub):
-    hits = search_models("tiny", _config(hub))
+    hits = search_models("tiny", _config(hub), author="mlx-community")
     assert [h.repo_id for h in hits] == ["mlx-community/tiny-llama-8bit",
                                          "mlx-community/tiny-llama-4bit", "mlx-community/tiny-bert"]
     first = hits[0]
     assert (first.downloads, first.bits, first.model_type, first.supported) == (50, 8, "llama", True)
     assert first.size_bytes is not None and first.size_bytes > 0
     assert hits[2].supported is False
-    everyone = search_models("llama", _config(hub), author=None)
+    everyone = search_models("llama", _config(hub))  # every author by default
     assert everyone[0].repo_id == "someone/tiny-llama"
     _, path = next(r for r in hub.state.requests if r[1].startswith("/api/models?"))
     assert "sort=downloads" in path and "search=tiny" in path and "author=mlx-community" in path
+
+
+def test_search_ranks_loadable_repos_first_then_the_preferred_author(hub):
+    gguf = {"config.json": b'{"model_type": "llama"}', "tiny-llama.Q8_0.gguf": b"GGUF" * 16}
+    hub.state.add(FakeRepo("someone/tiny-llama-GGUF", gguf, config={"model_type": "llama"},
+                           downloads=1000))
+    hits = search_models("tiny", _config(hub))
+    assert [h.repo_id for h in hits] == [
+        "someone/tiny-llama", "mlx-community/tiny-llama-8bit", "mlx-community/tiny-llama-4bit",
+        "someone/tiny-llama-GGUF", "mlx-community/tiny-bert"]  # downloads: 99, 50, 10 | 1000, 1
+    assert hits[3].supported and not hits[3].loadable  # llama, but no safetensors to load
+    preferred = search_models("tiny", _config(hub), prefer_author="mlx-community")
+    assert [h.repo_id for h in preferred][:3] == [
+        "mlx-community/tiny-llama-8bit", "mlx-community/tiny-llama-4bit", "someone/tiny-llama"]
 
 
 def test_repo_details_reads_config_and_lists_only_needed_files(hub, tiny_folder):

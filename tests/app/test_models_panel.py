@@ -431,6 +431,33 @@ def test_import_folder_adds_a_ready_model(qtbot, hub, relay, cache, memory_keyri
     assert hub.n_requests == 0
 
 
+def test_search_covers_every_author_runnable_first_and_the_author_field_narrows(
+        qtbot, hub, relay, cache, memory_keyring, async_loop, tmp_path, repo_folders):
+    hub.state.add(FakeRepo.from_folder("someone/tiny-chat", repo_folders["target"],
+                                       downloads=10_000))
+    hub.state.add(FakeRepo("someone/tiny-chat-GGUF", {"config.json": b'{"model_type": "llama"}',
+                                                      "tiny-chat.Q4_0.gguf": b"GGUF"},
+                           config={"model_type": "llama"}, downloads=20_000))
+    controller = ModelsController(QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat))
+    panel = ModelsPanel(controller)
+    qtbot.addWidget(panel)
+    _search(qtbot, panel, "tiny", 6)
+    results = panel.results_model
+    repos = [results.row_item(r).repo_id for r in range(6)]
+    assert repos == ["someone/tiny-chat", TARGET, DRAFT, GATED, "someone/tiny-chat-GGUF", MAMBA]
+    assert "all authors" in panel.results_hint.text()
+    assert _cell(results, 4, "Supported") == "✗"
+    assert "Import GGUF" in _cell(results, 4, "Supported", Qt.ItemDataRole.ToolTipRole)
+
+    qtbot.keyClicks(panel.author_edit, "someone")
+    qtbot.keyClick(panel.author_edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: results.rowCount() == 2, timeout=TIMEOUT)
+    assert [results.row_item(r).repo_id for r in range(2)] == ["someone/tiny-chat",
+                                                              "someone/tiny-chat-GGUF"]
+    assert "from someone" in panel.results_hint.text()
+    assert "author=someone" in hub.state.requests[-1][1]
+
+
 def test_panel_opens_from_the_side_panel_button(qtbot, gui):
     assert not any(isinstance(w, ModelsPanel) for w in QApplication.topLevelWidgets())
     with qtbot.waitSignal(gui.window.settings_panel.models_requested):
