@@ -1,4 +1,4 @@
-"""`understudy models …`: list, search, download, rm, import, pairs.
+"""`understudy models …`: list, search, download, rm, import, pairs, login, logout.
 
 A thin front end over `app.hub.api`, `app.hub.download` and `app.hub.library`, which the GUI's
 Models panel shares. Errors print one line to stderr and return 1, never a traceback.
@@ -28,8 +28,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     s = sub.add_parser("search", help="search the Hugging Face hub")
     s.add_argument("query")
     who = s.add_mutually_exclusive_group()
-    who.add_argument("--author", default=None, help="only this org/user (default mlx-community)")
-    who.add_argument("--all-authors", action="store_true", help="search every author")
+    who.add_argument("--author", default=None,
+                     help="only this org/user, e.g. mlx-community (default: every author)")
+    who.add_argument("--all-authors", action="store_true", help=argparse.SUPPRESS)  # the default now
     s.add_argument("--limit", type=int, default=20)
 
     d = sub.add_parser("download", help="download a hub repo into the Hugging Face cache")
@@ -47,6 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     i.add_argument("--name", default=None, help="library name (default: from the file name)")
 
     sub.add_parser("pairs", help="recommended target + draft pairs")
+    sub.add_parser("login", help="store a Hugging Face token in the system keychain "
+                   "(typed without echo, or read from stdin when piped)")
+    sub.add_parser("logout", help="remove the Hugging Face token from the keychain")
     return p
 
 
@@ -65,7 +69,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None 
     out = out or sys.stdout
     err = err or sys.stderr
     actions = {"list": _list, "search": _search, "download": _download, "rm": _rm,
-               "import": _import, "pairs": _pairs}
+               "import": _import, "pairs": _pairs, "login": _login, "logout": _logout}
     try:
         return actions[args.models_command](args, out, err)
     except EngineError as e:
@@ -96,16 +100,18 @@ def _list(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def _search(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    from app.hub.api import DEFAULT_AUTHOR, format_bytes, format_params, search_models
+    from app.hub.api import format_bytes, format_params, preferred_author, search_models
 
-    author = None if args.all_authors else (args.author or DEFAULT_AUTHOR)
-    hits = search_models(args.query, _config(args), author=author, limit=args.limit)
+    author = args.author or None
+    hits = search_models(args.query, _config(args), author=author, limit=args.limit,
+                         prefer_author=preferred_author())
     if not hits:
         print(f"no models match {args.query!r}" + (f" by {author}" if author else ""), file=err)
         return 0
     rows = [["REPO", "PARAMS", "BITS", "SIZE", "DOWNLOADS", "SUPPORTED"]]
     for h in hits:
-        supported = {True: "yes", False: f"no ({h.model_type})", None: "?"}[h.supported]
+        supported = ("yes" if h.loadable else "no (no safetensors)" if h.supported
+                     else f"no ({h.model_type})" if h.supported is False else "?")
         rows.append([h.repo_id + (" (gated)" if h.gated else ""), format_params(h.n_params),
                      str(h.bits) if h.bits else "-", format_bytes(h.size_bytes),
                      str(h.downloads), supported])
@@ -201,4 +207,56 @@ def _pairs(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(f"{p.title}\n  target: {p.target.repo_id} (~{format_bytes(p.target.approx_bytes)})"
               f"\n  draft:  {p.draft.repo_id} (~{format_bytes(p.draft.approx_bytes)})"
               f"\n  why:    {p.why}\n", file=out)
+    return 0
+
+
+def _read_token(err: TextIO) -> str:
+    """The token from the terminal without echo, or the first line of piped stdin."""
+    if sys.stdin.isatty():
+        import getpass
+
+        print("Paste a read token from https://huggingface.co/settings/tokens "
+              "(the input is hidden).", file=err)
+        return getpass.getpass("Token: ", stream=err).strip()
+    return sys.stdin.readline().strip()
+
+
+def _login(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Check the token with the hub when it is reachable, then keep it in the keychain.
+
+    A token the hub rejects is not stored; one that could not be checked (offline, hub
+    unreachable) is stored with a note. The token itself is never printed.
+    """
+    from app.hub.api import HubAuthError, HubError, whoami
+    from app.hub.token_store import TokenStore
+    from engine.errors import EngineError
+
+    token = _read_token(err)
+    if not token:
+        raise EngineError("No token given; nothing was stored.")
+    account = None
+    try:
+        account = whoami(_config(args), token)
+    except HubAuthError:
+        raise EngineError("The hub rejected this token (401); nothing was stored. Create a "
+                          "read token at https://huggingface.co/settings/tokens.") from None
+    except HubError as e:
+        print(f"note: the token was not checked ({e})", file=err)
+    status = TokenStore().set(token)
+    if not status.persistent:
+        raise EngineError("No system keychain is available, so the token cannot be kept; "
+                          "set HF_TOKEN in the environment instead.")
+    who = f" as {account}" if account else ""
+    print(f"Logged in{who}; the token is stored in the system keychain.", file=out)
+    return 0
+
+
+def _logout(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    from app.hub.token_store import TokenStore
+
+    store = TokenStore()
+    had = store.get() is not None
+    store.clear()
+    print("Logged out; the token was removed from the system keychain." if had
+          else "No Hugging Face token was stored.", file=out)
     return 0
