@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -314,8 +315,29 @@ def inspect_weights(path: Path | str, *, backend: str | None = None) -> WeightPl
     return _check_checkpoint(Path(path).expanduser(), backend or default_backend()).plan
 
 
+# on_progress(done, total): bytes of weights read so far, of all (a loading bar's fraction)
+ProgressFn = Callable[[int, int], None]
+
+
+def _materialize(weights: dict[str, mx.array], on_progress: ProgressFn | None) -> None:
+    """Read (and, on the CPU policy, dequantize) the weights one tensor at a time.
+
+    `mx.load` only maps the files; the reading happens here, so counting bytes as each
+    tensor is evaluated gives a loading bar a true fraction: `on_progress(done, total)`
+    in bytes as held in memory, after every tensor.
+    """
+    total = sum(w.nbytes for w in weights.values())
+    done = 0
+    for w in weights.values():
+        mx.eval(w)
+        done += w.nbytes
+        if on_progress is not None:
+            on_progress(done, total)
+
+
 def load_weights(
-    path: Path | str, *, backend: str | None = None, memory_budget: int | None = None
+    path: Path | str, *, backend: str | None = None, memory_budget: int | None = None,
+    on_progress: ProgressFn | None = None,
 ) -> tuple[Model, dict[str, Any]]:
     """Build the model in `path` and load its weights; returns (model, config).
 
@@ -324,6 +346,7 @@ def load_weights(
     and casts every float to float32, because quantized and half-precision matmuls are slow
     on MLX's CPU backend. `backend` picks the policy (default: the device MLX runs on).
     `memory_budget` (bytes) replaces the measured available memory in the pre-load check.
+    `on_progress(done_bytes, total_bytes)` is called after each tensor is read.
     The returned config is config.json with `tie_word_embeddings` as decided.
     """
     folder = Path(path).expanduser()
@@ -343,6 +366,7 @@ def load_weights(
         weights = _cpu_weights(weights, checked.quant)
     else:
         model = checked.stored
+    _materialize(weights, on_progress)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
@@ -369,15 +393,20 @@ def weight_stats(model: Model) -> tuple[int, int]:
 
 
 def load_model(
-    spec_or_path: str | Path, *, backend: str | None = None, memory_budget: int | None = None
+    spec_or_path: str | Path, *, backend: str | None = None, memory_budget: int | None = None,
+    on_progress: ProgressFn | None = None,
 ) -> LoadedModel:
-    """Resolve `spec_or_path` (see `resolve_model_path`), load weights and tokenizer."""
+    """Resolve `spec_or_path` (see `resolve_model_path`), load weights and tokenizer.
+
+    `on_progress(done_bytes, total_bytes)` reports the weights as they are read.
+    """
     from engine.tokenizer import Tokenizer
 
     spec = str(spec_or_path)
     folder = resolve_model_path(spec)
     backend = backend or default_backend()
-    model, config = load_weights(folder, backend=backend, memory_budget=memory_budget)
+    model, config = load_weights(folder, backend=backend, memory_budget=memory_budget,
+                                 on_progress=on_progress)
     tokenizer = Tokenizer.from_folder(folder)
     n_params, n_bytes = weight_stats(model)
     return LoadedModel(

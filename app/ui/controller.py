@@ -62,6 +62,7 @@ class ChatController(QObject):
     error_raised = Signal(str)
     settings_changed = Signal(object)  # ChatSettings
     model_loading = Signal(str)
+    model_load_progressed = Signal(int, int)  # weight bytes read, of total
     model_loaded = Signal(object)  # ModelInfo
     comparison_started = Signal(str, str)  # speculative label, plain label
     plain_prompt_progressed = Signal(int, int)  # done, total of the plain run
@@ -84,6 +85,7 @@ class ChatController(QObject):
         w = host.worker
         w.model_loading.connect(self._on_model_loading)
         w.model_loaded.connect(self._on_model_loaded)
+        w.model_load_progressed.connect(self._on_model_load_progressed)
         w.model_load_failed.connect(self._on_model_load_failed)
         w.prompt_progressed.connect(self._on_prompt_progressed)
         w.step_generated.connect(self._on_step_generated)
@@ -332,6 +334,9 @@ class ChatController(QObject):
     # -- model state ---------------------------------------------------------------------
     def _on_model_loading(self, spec: str) -> None:
         self.model_loading.emit(spec)
+
+    def _on_model_load_progressed(self, _spec: str, done: int, total: int) -> None:
+        self.model_load_progressed.emit(done, total)
 
     def _on_model_loaded(self, info: ModelInfo) -> None:
         if info.spec == self.settings.target:

@@ -33,6 +33,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.hub.api import format_bytes
 from app.store import Message
 from app.ui.chat_view import ChatView
 from app.ui.comparison import ComparisonView
@@ -165,7 +166,8 @@ class MainWindow(QMainWindow):
 
         self.model_label = QLabel("No model loaded")
         self.load_progress = QProgressBar()
-        self.load_progress.setRange(0, 0)  # busy: load_model reports no fraction
+        self.load_progress.setRange(0, 0)  # busy until the first weights are read
+        self.load_progress.setFormat("%p%")
         self.load_progress.setMaximumWidth(160)
         self.load_progress.hide()
         self.statusBar().addWidget(self.model_label, 1)
@@ -189,6 +191,7 @@ class MainWindow(QMainWindow):
         controller.error_raised.connect(self.banner.show_message)
         controller.model_loading.connect(self._on_model_loading)
         controller.model_loaded.connect(self._on_model_loaded)
+        controller.model_load_progressed.connect(self._on_model_load_progressed)
         controller.message_added.connect(self._on_message_added)
         controller.prompt_progressed.connect(self.gauge.show_prompt_progress)
         controller.step_received.connect(self._on_step_received)
@@ -390,7 +393,15 @@ class MainWindow(QMainWindow):
     # -- controller events ---------------------------------------------------------------
     def _on_model_loading(self, spec: str) -> None:
         self.model_label.setText(f"Loading {spec}…")
+        self.load_progress.setRange(0, 0)
         self.load_progress.show()
+
+    def _on_model_load_progressed(self, done: int, total: int) -> None:
+        """Weights read so far: in per mille, as a big model's bytes overflow an int."""
+        self.load_progress.setRange(0, 1000)
+        self.load_progress.setValue(done * 1000 // max(total, 1))
+        self.load_progress.setToolTip(f"{format_bytes(done)} of {format_bytes(total)} "
+                                      "of weights read")
 
     def _on_model_loaded(self, info: ModelInfo) -> None:
         self.load_progress.hide()

@@ -101,6 +101,7 @@ class EngineWorker(QObject):
     """Loads models and generates replies; lives on the engine thread (see EngineHost)."""
 
     model_loading = Signal(str)  # spec
+    model_load_progressed = Signal(str, int, int)  # spec, weight bytes read, of total
     model_loaded = Signal(object)  # ModelInfo
     model_load_failed = Signal(str, str)  # spec, message
     generation_started = Signal(int)  # request id
@@ -128,24 +129,35 @@ class EngineWorker(QObject):
     def _ensure_target(self, spec: str) -> None:
         if self._target is not None and self._target_spec == spec:
             return
-        from engine.loading import load_model
-
         self.model_loading.emit(spec)
         self._target = self._target_spec = None
         self._sessions.clear()
-        loaded = load_model(spec)
+        loaded = self._load(spec)
         self._target, self._target_spec = loaded, spec
         self.model_loaded.emit(_model_info(spec, loaded))
 
     def _draft_model(self, spec: str):
         if spec not in self._drafts:
-            from engine.loading import load_model
-
             self.model_loading.emit(spec)
             self._drafts.clear()  # keep one draft in memory at a time
-            self._drafts[spec] = load_model(spec)
+            self._drafts[spec] = self._load(spec)
             self.model_loaded.emit(_model_info(spec, self._drafts[spec]))
         return self._drafts[spec]
+
+    def _load(self, spec: str):
+        """load_model, reporting the weights read at most once per 0.1% of them."""
+        from engine.loading import load_model
+
+        last = -1
+
+        def progressed(done: int, total: int) -> None:
+            nonlocal last
+            permille = done * 1000 // max(total, 1)
+            if permille != last:
+                last = permille
+                self.model_load_progressed.emit(spec, done, total)
+
+        return load_model(spec, on_progress=progressed)
 
     def _session(self, settings: ChatSettings, plain: bool):
         """The ChatSession for this target and draft pairing (kept across turns)."""

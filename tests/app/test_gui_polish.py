@@ -94,3 +94,24 @@ def test_long_chat_titles_are_elided_with_the_full_title_on_hover(qtbot, make_gu
     assert view.visualRect(index).width() <= view.viewport().width()
     assert title in index.data(Qt.ItemDataRole.ToolTipRole)
     sidebar.grab().save(f"{SHOTS}/sidebar_long_title.png")
+
+
+def test_loading_a_model_shows_determinate_progress(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0]))  # starts loading the target
+    bar = gui.window.load_progress
+    seen: list[tuple[int, int, int, int, bool]] = []  # done, total, bar max, value, visible
+
+    def record(done: int, total: int) -> None:  # runs after the window's own handler
+        seen.append((done, total, bar.maximum(), bar.value(), bar.isVisible()))
+        if len(seen) == 2:
+            gui.window.statusBar().grab().save(f"{SHOTS}/load_progress.png")
+
+    gui.controller.model_load_progressed.connect(record)
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    assert len(seen) > 2
+    assert all(visible and maximum == 1000 for *_, maximum, _, visible in seen)
+    values = [value for *_, value, _ in seen]
+    assert values == sorted(values) and values[0] < 1000 and values[-1] == 1000
+    assert seen[-1][0] == seen[-1][1] > 0
+    assert not bar.isVisible()
+    assert "of weights read" in bar.toolTip()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 from engine.errors import (
     EngineError,
@@ -395,3 +396,23 @@ def test_header_reader_on_fixture(pristine: dict[str, Path]) -> None:
     assert infos["model.layers.0.self_attn.q_proj.weight"].dtype == "U32"
     assert infos["model.layers.0.self_attn.q_proj.weight"].shape == (64, 8)
     assert infos["model.layers.0.self_attn.q_proj.scales"].shape == (64, 2)
+
+
+# ------------------------------------------------------------------------- progress
+
+
+@pytest.mark.parametrize(("name", "backend"), [("plain", "cpu"), ("sharded", "cpu"),
+                                               ("q4", "cpu"), ("q4", "metal")])
+def test_progress_counts_every_weight_byte_as_it_is_read(
+        pristine: dict[str, Path], name: str, backend: str) -> None:
+    """A loading bar gets a true fraction: one report per tensor, rising to the bytes the
+    model holds (float32 after the CPU policy's dequantizing, packed under Metal's)."""
+    reports: list[tuple[int, int]] = []
+    model, _ = load_weights(pristine[name], backend=backend,
+                            on_progress=lambda done, total: reports.append((done, total)))
+    n_bytes = weight_stats(model)[1]
+    totals = {total for _, total in reports}
+    done = [d for d, _ in reports]
+    assert totals == {n_bytes}
+    assert done == sorted(done) and 0 < done[0] < n_bytes and done[-1] == n_bytes
+    assert len(reports) == len(tree_flatten(model.parameters()))  # one per tensor
