@@ -2,24 +2,17 @@
 
 A step with K drafts costs K draft tokens plus one target pass of width K+1, and commits
 on average (1 - a^(K+1)) / (1 - a) tokens when each draft is accepted with probability a.
-We measure the costs once per model/drafter/backend (cached in the app-data dir), keep a
-running acceptance estimate per drafter, and pick the K with the most tokens per second —
-K = 0 (a plain step) when drafting does not pay.
+We measure the costs once per model/drafter/backend (`engine.calibration`, cached in the
+app-data dir) and correct them with every timed pass, keep a running acceptance estimate
+per drafter, and pick the K with the most tokens per second — K = 0 (a plain step) when
+drafting does not pay.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
-import mlx.core as mx
-
-from engine.cache import make_caches
-from engine.paths import cache_dir
-
-CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 K_MAX = 15
 PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
                     # prompt lookup, by matched suffix length: longer matches copy better
@@ -27,7 +20,11 @@ PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
 OPTIMISTIC_ACCEPTANCE = 0.8  # a drafter that cannot pay even at this rate is never probed
 DRAFT_MARGIN = 0.15
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
+DRIFT_FRACTION = 0.3  # a timing this far off the table (either way) says the table is stale
 PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
+COST_PROBES = True  # verify untested widths now and then (off only for a negative control)
+PROBE_SHARE = 0.05  # cost probes may take about this share of decode time
+PROBE_DRAFT_PASSES = 2.0  # a cost probe drafts at most this many target passes' worth
 GUARD_MIN_STEPS = 2  # steps of a drafter before its realized speed can bench it
 GUARD_RETRY = 1024  # steps after which a benched drafter gets one more chance (a losing
 # probe of a drafter that costs half a target pass per token wastes a few steps)
@@ -35,7 +32,16 @@ GUARD_RETRY = 1024  # steps after which a benched drafter gets one more chance (
 
 @dataclass
 class CostModel:
-    """Measured seconds: target pass by width, and one draft token per drafter."""
+    """Measured seconds: target pass by width, and one draft token per drafter.
+
+    The table starts from a calibration (maybe cached from another day, another BLAS, a
+    busy hour) and is corrected by every timed pass. A width timed in this process is
+    *tested*; an untested entry is never trusted above a tested wider one (a wider pass
+    does not cost less), so one live pass of a wide width caps every stale entry below
+    it. When the width-1 cost, which plain steps time all the time, drifts from where the
+    table was anchored by more than DRIFT_FRACTION, the whole curve is rescaled by that
+    ratio and every other width counts as untested again (and gets probed: `DraftPolicy`).
+    """
 
     verify_s: dict[int, float]
     draft_s: dict[str, float] = field(default_factory=dict)
@@ -48,12 +54,46 @@ class CostModel:
         # verify() for every width up to K_MAX + 1, rebuilt after a change: the policy asks
         # for the whole curve every step, and the step's host time competes with the pass
         self._curve: list[float] | None = None
+        self._tested: set[int] = set()  # widths timed live since the table was anchored
+        self._anchor = self.verify_s.get(1)  # the width-1 cost the table agrees with
+        # what live timings changed, for the user: (width, table seconds, live seconds)
+        self.corrections: list[tuple[int, float, float]] = []
 
     def observe(self, width: int, seconds: float) -> None:
-        """Fold a measured pass into the table, so costs follow the machine's load."""
+        """Fold a measured pass into the table, so costs follow the machine's load.
+
+        The first live timing of a width replaces a table entry it strays from by more
+        than DRIFT_FRACTION (that entry was timed some other time); later ones are smoothed.
+        """
         old = self.verify_s.get(width)
-        self.verify_s[width] = seconds if old is None else old + COST_EMA * (seconds - old)
+        if old is None or (width not in self._tested and _strays(seconds, old)):
+            if old is not None:
+                self.corrections.append((width, old, seconds))
+            self.verify_s[width] = seconds
+        else:
+            self.verify_s[width] = old + COST_EMA * (seconds - old)
+        self._tested.add(width)
+        if width == 1:
+            self._check_anchor()
         self._curve = None
+
+    def _check_anchor(self) -> None:
+        """Rescale the curve when the width-1 cost has drifted from the table's anchor."""
+        now = self.verify_s[1]
+        if self._anchor is None or not _strays(now, self._anchor):
+            self._anchor = self._anchor or now
+            return
+        ratio = now / self._anchor
+        self.corrections.append((1, self._anchor, now))
+        for w in self.verify_s:
+            if w != 1:
+                self.verify_s[w] *= ratio
+        self._anchor = now
+        self._tested = {1}
+
+    def tested(self, width: int) -> bool:
+        """Whether a pass this wide (or wider) has been timed since the table's anchor."""
+        return any(w >= width for w in self._tested)
 
     def verify(self, width: int) -> float:
         """Seconds for one target pass over `width` tokens (linear between measurements).
@@ -68,16 +108,29 @@ class CostModel:
         return _interpolate(self._points(), width)
 
     def _points(self) -> list[tuple[int, float]]:
-        """The measured (width, seconds), made non-decreasing in width."""
+        """The (width, seconds) table, untested entries capped by the cheapest tested
+        wider one, then made non-decreasing in width."""
+        items = sorted(self.verify_s.items())
+        caps, cap = [], float("inf")
+        for w, sec in reversed(items):
+            if w in self._tested:
+                cap = min(cap, sec)
+            caps.append(cap)
         points: list[tuple[int, float]] = []
-        for w, sec in sorted(self.verify_s.items()):
+        for (w, sec), cap in zip(items, reversed(caps), strict=True):
+            sec = sec if w in self._tested else min(sec, cap)
             points.append((w, max(sec, points[-1][1]) if points else sec))
         return points
 
 
+def _strays(seconds: float, reference: float) -> bool:
+    """Whether a timing is more than DRIFT_FRACTION off `reference`, either way."""
+    return not reference / (1 + DRIFT_FRACTION) <= seconds <= reference * (1 + DRIFT_FRACTION)
+
+
 def _interpolate(points: list[tuple[int, float]], width: int) -> float:
     """Piecewise-linear through `points`, extended past the last two."""
-    if width <= points[0][0]:
+    if width <= points[0][0] or len(points) == 1:
         return points[0][1]
     for (w0, s0), (w1, s1) in zip(points, points[1:], strict=False):
         if width <= w1:
@@ -161,96 +214,15 @@ class RealizedSpeed:
             self.seconds_per_token += COST_EMA * (value - self.seconds_per_token)
 
 
-def _median(samples: list[float]) -> float:
-    return sorted(samples)[len(samples) // 2]
-
-
-def _time(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up (graph building, allocation)
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return _median(samples)
-
-
-def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
-                  context: int = 64, reps: int = 5) -> CostModel:
-    """Time target passes of each width after `context` tokens, and draft tokens."""
-    caches = make_caches(model.n_layers)
-    prefix = mx.zeros((1, context), dtype=mx.int32)
-    mx.eval(model(prefix, cache=caches))
-
-    def target_pass(width: int, n_layers: int | None = None) -> Callable[[], object]:
-        def run() -> object:
-            out = model(mx.zeros((1, width), dtype=mx.int32), cache=caches, n_layers=n_layers)
-            mx.eval(out)
-            for c in caches:
-                c.trim(context)
-            return out
-        return run
-
-    verify_s = {w: _time(target_pass(w), reps) for w in CALIBRATION_WIDTHS}
-
-    builds = []  # the host's share of a width-1 pass: building its graph
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
-        builds.append(time.perf_counter() - t0)
-        mx.eval(out)
-        for c in caches:
-            c.trim(context)
-    overlap_s = _median(builds)
-    draft_s: dict[str, float] = {"ngram": 0.0}
-    if layerskip_layers:
-        draft_s["layerskip"] = _time(target_pass(1, layerskip_layers), reps)
-    if draft_model is not None:
-        d_caches = make_caches(draft_model.n_layers)
-        mx.eval(draft_model(prefix, cache=d_caches))
-
-        def draft_pass() -> object:
-            out = draft_model(mx.zeros((1, 1), dtype=mx.int32), cache=d_caches)
-            mx.eval(out)
-            for c in d_caches:
-                c.trim(context)
-            return out
-
-        draft_s["model"] = _time(draft_pass, reps)
-    return CostModel(verify_s, draft_s, overlap_s)
-
-
-def load_or_measure_costs(key: str, measure: Callable[[], CostModel]) -> CostModel:
-    """Calibration results cached in the app-data dir under `key` (model/drafter/backend)."""
-    path = cache_dir() / "calibration.json"
-    try:
-        table = json.loads(path.read_text())
-    except (OSError, ValueError):
-        table = {}
-    entry = table.get(key)
-    if isinstance(entry, dict):
-        try:
-            return CostModel({int(w): float(s) for w, s in entry["verify_s"].items()},
-                             {str(d): float(s) for d, s in entry["draft_s"].items()},
-                             float(entry.get("overlap_s", 0.0)))
-        except (KeyError, TypeError, ValueError):
-            pass
-    costs = measure()
-    table[key] = asdict(costs)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(table, indent=1))
-    tmp.replace(path)
-    return costs
-
-
 @dataclass(frozen=True)
 class Choice:
-    """What to do in the next step: drafter (None = plain step), draft length, and the
-    acceptance estimate it was chosen by."""
+    """What to do in the next step: drafter (None = plain step), draft length, the
+    acceptance estimate it was chosen by, and whether it probes an untested width."""
 
     drafter: str | None
     k: int
     estimate: str | None = None
+    probe: bool = False
 
 
 @dataclass
@@ -264,6 +236,8 @@ class PolicyMemory:
     benched: dict[str, int] = field(default_factory=dict)  # drafter -> step it was benched
     steps: int = 0
     idle: int = 0
+    # the last cost probe: its step, and what its pass cost beyond a plain one once timed
+    cost_probe: tuple[int, float] | None = None
 
 
 class DraftPolicy:
@@ -337,6 +311,7 @@ class DraftPolicy:
         best_rate = 0.0 if self.costs is None else 1.0 / self.costs.verify(1)
         self.memory.steps += 1
         self._guess = None
+        wanted: list[tuple[str, str, int]] = []  # (drafter, estimate key, longest draft)
         for name in self._candidates():
             limit = self.fixed_k or K_MAX
             match_len = 0
@@ -351,6 +326,7 @@ class DraftPolicy:
             key = self._estimate_key(name, match_len)
             if self._is_benched(key):
                 continue
+            wanted.append((name, key, limit))
             if self.fixed_k is not None or self.costs is None:
                 k, rate = limit, float("inf") if self.fixed_k else 0.0
             else:
@@ -359,6 +335,10 @@ class DraftPolicy:
                                  self.costs, limit, pending, pending and name == "ngram")
             if k > 0 and rate > best_rate:
                 best, best_rate = Choice(name, k, key), rate
+        probe = self._cost_probe(wanted, best.k)
+        if probe is not None:
+            self.memory.idle = 0
+            return probe
         if best.drafter is not None:
             self.memory.idle = 0
             return best
@@ -370,6 +350,46 @@ class DraftPolicy:
                 self.memory.idle = 0
                 return Choice(probe, 2, probe)
         return best
+
+    def _cost_probe(self, wanted: Sequence[tuple[str, str, int]], k: int) -> Choice | None:
+        """A draft verified at a width the cost table has not tested, when that width is
+        wider than the chosen step's and a probe is due; else None.
+
+        Why: a stale table (timed before a faster BLAS, or on a busy machine) can price
+        wide passes so high that the policy never drafts, so they are never timed again.
+        A probe is a normal draft-and-verify step (lossless); its pass times the width.
+        Prompt lookup drafts what it matched (free to draft); other drafters double the
+        widest tested width, up to PROBE_DRAFT_PASSES target passes' worth of drafting.
+        Probes are spaced so they take about PROBE_SHARE of decode time, priced at what the
+        last one cost once timed; the first may come at once.
+        """
+        costs = self.costs
+        if not COST_PROBES or costs is None or self.fixed_k is not None:
+            return None
+        last = self.memory.cost_probe
+        if last is not None:
+            step, extra = last
+            spacing = max(PROBE_EVERY, extra / (PROBE_SHARE * costs.verify(1)))
+            if self.memory.steps - step < spacing:
+                return None
+        widest = max((w for w in range(1, K_MAX + 2) if costs.tested(w)), default=1)
+        for name, key, limit in wanted:
+            probe_k = limit
+            if name != "ngram":
+                draft_s = costs.draft_s.get(name, 0.0)
+                cheap = (PROBE_DRAFT_PASSES * costs.verify(1) / draft_s if draft_s > 0
+                         else K_MAX)
+                probe_k = min(limit, max(2, 2 * widest), max(1, int(cheap)))
+                # a drafter too slow to pay even with free verify passes needs no probe
+                flat = CostModel({1: costs.verify(1)}, overlap_s=costs.overlap_s)
+                if best_k(OPTIMISTIC_ACCEPTANCE, draft_s, flat, probe_k, True)[0] == 0:
+                    continue
+            if probe_k > k and not costs.tested(probe_k + 1):
+                # a probe whose pass never runs (a wrong guess of the pending token ends
+                # it) costs next to nothing; `update` prices one that runs
+                self.memory.cost_probe = (self.memory.steps, 0.0)
+                return Choice(name, probe_k, key, probe=True)
+        return None
 
     def _worth_probing(self, name: str) -> bool:
         """Whether a drafter now at K = 0 could pay if its acceptance recovered."""
@@ -403,4 +423,7 @@ class DraftPolicy:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)
         if seconds is not None and width and self.costs is not None and self.fixed_k is None:
+            if choice.probe and self.memory.cost_probe is not None:
+                extra = max(seconds - self.costs.verify(1), 0.0)
+                self.memory.cost_probe = (self.memory.cost_probe[0], extra)
             self.costs.observe(width, seconds)

@@ -3,21 +3,18 @@ per-step policy, and calibration cached in the app-data dir."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pytest
 
 from engine.drafters.ngram import NgramDrafter
-from engine.loading import load_model
-from engine.paths import cache_dir
 from engine.tuning import (
-    CALIBRATION_WIDTHS,
     COST_EMA,
+    DRIFT_FRACTION,
     K_MAX,
     PROBE_EVERY,
+    PROBE_SHARE,
     AcceptanceEstimate,
     Choice,
     CostModel,
@@ -25,10 +22,7 @@ from engine.tuning import (
     PolicyMemory,
     best_k,
     expected_tokens,
-    load_or_measure_costs,
-    measure_costs,
 )
-from tests.fixtures.tiny_models import write_tiny_pair
 
 FLAT = CostModel({1: 0.010, 16: 0.010})  # a verify pass costs the same at any width
 LINEAR = CostModel({1: 0.010, 16: 0.160})  # ... or grows with every token
@@ -73,6 +67,7 @@ def test_cost_model_interpolates_and_extrapolates() -> None:
 def test_cost_curve_follows_every_observed_pass() -> None:
     costs = CostModel({1: 1.0, 4: 4.0})
     assert costs.verify(4) == 4.0 and costs.verify(2) == pytest.approx(2.0)
+    costs.observe(4, 4.0)  # a live timing that agrees with the table: width 4 is tested
     costs.observe(4, 9.0)  # the running cost moves a COST_EMA step towards 9.0
     assert costs.verify(4) == pytest.approx(4.0 + COST_EMA * 5.0)
     assert costs.verify(2) == pytest.approx(1.0 + (3.0 + COST_EMA * 5.0) / 3)
@@ -182,7 +177,18 @@ def ngram_match(context: Sequence[int], k: int) -> tuple[tuple[int, ...], int]:
 
 REPEATING = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5]  # suffix 1..5 seen; 6..5 followed
 FRESH = list(range(20, 40))  # no token repeats
-COSTS = CostModel({1: 0.010, 16: 0.011}, {"ngram": 0.0, "model": 0.001, "layerskip": 0.001})
+
+
+def timed(costs: CostModel) -> CostModel:
+    """`costs` as if each width had just been timed live at its table value: a table the
+    machine has confirmed, which needs no cost probes."""
+    for width, seconds in list(costs.verify_s.items()):
+        costs.observe(width, seconds)
+    return costs
+
+
+COSTS = timed(CostModel({1: 0.010, 16: 0.011},
+                        {"ngram": 0.0, "model": 0.001, "layerskip": 0.001}))
 
 
 def test_fixed_k_always_drafts_k() -> None:
@@ -255,49 +261,6 @@ def test_a_succeeding_drafter_gets_longer_drafts() -> None:
     assert policy.choose(FRESH).k > first.k
 
 
-# ----------------------------------------------------------------------------- calibration
-
-
-def test_calibration_is_measured_once_per_key_and_cached_on_disk(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path))
-    calls: list[str] = []
-
-    def measure(tag: str) -> CostModel:
-        calls.append(tag)
-        return CostModel({1: 0.01, 2: 0.02}, {"ngram": 0.0, "model": 0.003})
-
-    first = load_or_measure_costs("target|draft|cpu", lambda: measure("a"))
-    again = load_or_measure_costs("target|draft|cpu", lambda: measure("b"))
-    other = load_or_measure_costs("target|-|cpu", lambda: measure("c"))
-    assert calls == ["a", "c"]
-    assert again == first == CostModel({1: 0.01, 2: 0.02}, {"ngram": 0.0, "model": 0.003})
-    assert other == first
-    path = cache_dir() / "calibration.json"
-    assert path.parent.parent == tmp_path
-    assert set(json.loads(path.read_text())) == {"target|draft|cpu", "target|-|cpu"}
-
-
-def test_a_corrupt_calibration_file_is_measured_again(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path))
-    (cache_dir() / "calibration.json").write_text("{not json")
-    costs = load_or_measure_costs("k", lambda: CostModel({1: 0.5}))
-    assert costs == CostModel({1: 0.5})
-    assert json.loads((cache_dir() / "calibration.json").read_text())["k"]["verify_s"] == {
-        "1": 0.5}
-
-
-def test_measure_costs_on_a_tiny_pair(tmp_path: Path) -> None:
-    target, draft = write_tiny_pair(tmp_path)
-    tgt, dft = load_model(str(target)).model, load_model(str(draft)).model
-    costs = measure_costs(tgt, dft, layerskip_layers=1, context=16, reps=2)
-    assert sorted(costs.verify_s) == sorted(CALIBRATION_WIDTHS)
-    assert all(s > 0 for s in costs.verify_s.values())
-    assert costs.draft_s["ngram"] == 0.0
-    assert costs.draft_s["model"] > 0 and costs.draft_s["layerskip"] > 0
-
-
 def test_a_drafter_that_cannot_pay_even_when_right_is_never_probed() -> None:
     def probes(draft_s: float) -> int:
         policy = DraftPolicy("layerskip", ("layerskip",),
@@ -325,3 +288,130 @@ def test_what_a_policy_learned_carries_over_to_the_next_reply() -> None:
     next_reply = DraftPolicy("model", ("model",), COSTS, memory=memory)
     assert next_reply.estimates["model"].alpha < fresh_policy.estimates["model"].alpha
     assert next_reply.choose(FRESH).k < fresh_policy.choose(FRESH).k
+
+
+# ----------------------------------------------------------------------------- a stale table
+
+# a calibration taken before OpenBLAS (or on a busy machine): widths >= 2 priced 10x
+TRUE = {1: 0.127, 2: 0.136, 3: 0.146, 4: 0.184, 8: 0.204, 16: 0.225}
+STALE = {w: s * (10 if w >= 2 else 1) for w, s in TRUE.items()}
+
+
+def true_cost(width: int) -> float:
+    return CostModel(dict(TRUE)).verify(width)
+
+
+def test_one_live_pass_of_a_wide_width_caps_every_stale_entry_below_it() -> None:
+    costs = CostModel(dict(STALE))
+    assert not costs.tested(1) and costs.verify(9) > 10 * true_cost(9) * 0.9
+    costs.observe(1, TRUE[1])
+    assert costs.tested(1) and not costs.tested(2)
+    assert costs.verify(16) > 5 * TRUE[16]  # width 1 agreeing says nothing about others
+    costs.observe(16, TRUE[16])  # strays from the table by far more than DRIFT_FRACTION
+    assert costs.tested(2) and costs.tested(16) and not costs.tested(17)
+    assert costs.verify(16) == pytest.approx(TRUE[16])
+    assert all(TRUE[1] <= costs.verify(w) <= TRUE[16] for w in range(1, 17))
+    assert costs.corrections == [(16, STALE[16], TRUE[16])]
+
+
+def test_a_first_timing_near_the_table_is_smoothed_not_taken_whole() -> None:
+    costs = CostModel({1: 0.100, 8: 0.200})
+    costs.observe(8, 0.200 * (1 + DRIFT_FRACTION * 0.9))
+    assert costs.verify(8) == pytest.approx(0.200 * (1 + COST_EMA * DRIFT_FRACTION * 0.9))
+    assert costs.corrections == []
+
+
+def test_width_one_drift_rescales_the_curve_and_marks_other_widths_untested() -> None:
+    costs = timed(CostModel(dict(TRUE)))
+    assert costs.tested(16)
+    for _ in range(30):  # the machine got busy: every pass now takes twice as long
+        costs.observe(1, 2 * TRUE[1])
+    assert costs.verify(1) == pytest.approx(2 * TRUE[1], rel=0.02)
+    assert costs.verify(16) == pytest.approx(2 * TRUE[16], rel=0.25)
+    assert not costs.tested(2)
+    assert [c[0] for c in costs.corrections][:1] == [1]
+
+
+def test_width_one_noise_within_the_fraction_leaves_the_curve_alone() -> None:
+    costs = timed(CostModel(dict(TRUE)))
+    for i in range(60):  # +-20% around the table, never a sustained drift
+        costs.observe(1, TRUE[1] * (1.2 if i % 2 else 0.8))
+    assert costs.tested(16) and costs.corrections == []
+    assert costs.verify(16) == TRUE[16]
+
+
+COPYING = [*range(100, 140), 7, *range(100, 120)]  # the reply copies the prompt: long matches
+
+
+def run_policy(costs: CostModel, steps: int, probes: bool, monkeypatch: pytest.MonkeyPatch,
+               true: dict[int, float] = TRUE,
+               load: Callable[[int], float] = lambda step: 1.0) -> list[Choice]:
+    """The policy on copied text, each step timed at `true` costs times the machine's
+    `load` at that step, and every draft accepted."""
+    monkeypatch.setattr("engine.tuning.COST_PROBES", probes)
+    policy = DraftPolicy("ngram", ("ngram",), costs, ngram_match=ngram_match)
+    truth = CostModel(dict(true))
+    choices = []
+    for step in range(steps):
+        choice = policy.choose(COPYING)
+        n_drafted = choice.k if choice.drafter else 0
+        width = n_drafted + 1
+        policy.update(choice, n_drafted, n_drafted, truth.verify(width) * load(step), width)
+        choices.append(choice)
+    return choices
+
+
+def test_a_stale_table_is_probed_and_prompt_lookup_recovers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    choices = run_policy(CostModel(dict(STALE)), 40, True, monkeypatch)
+    assert choices[0].drafter == "ngram" and choices[0].k == K_MAX  # probed at once
+    assert all(c.drafter == "ngram" and c.k >= 8 for c in choices[1:])
+
+
+def test_without_probes_a_stale_table_locks_prompt_lookup_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: the lock-out the probes exist for."""
+    choices = run_policy(CostModel(dict(STALE)), 40, False, monkeypatch)
+    assert all(c.drafter is None for c in choices)
+
+
+def test_a_confirmed_expensive_table_gets_no_probes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Widths timed live that really cost 10x: prompt lookup stays off, unprobed."""
+    choices = run_policy(timed(CostModel(dict(STALE))), 200, True, monkeypatch)
+    assert all(c.drafter is None for c in choices)
+
+
+def test_cost_probes_take_a_small_share_of_time_when_the_table_was_right(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Wide passes really cost 10x, and the machine's load swings 2x every 100 steps, so the
+    width-1 drift keeps marking the table untested: the probes that follow cost about
+    PROBE_SHARE of the time, and prompt lookup never drafts otherwise."""
+    def load(step: int) -> float:
+        return 2.0 if step // 100 % 2 else 1.0
+
+    choices = run_policy(CostModel(dict(STALE)), 600, True, monkeypatch, STALE, load)
+    probes = [i for i, c in enumerate(choices) if c.drafter]
+    assert probes[0] == 0 and len(probes) >= 3  # the swings re-arm the probes
+    assert all(choices[i].k == K_MAX for i in probes)
+    truth = CostModel(dict(STALE))
+    extra = sum((truth.verify(K_MAX + 1) - truth.verify(1)) * load(i) for i in probes[1:])
+    plain = sum(truth.verify(1) * load(i) for i in range(600))
+    assert extra <= 1.5 * PROBE_SHARE * plain
+
+
+def test_a_model_drafter_is_probed_at_doubling_widths_until_the_table_is_tested(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    costs = CostModel(dict(STALE), {"model": 0.003})
+    monkeypatch.setattr("engine.tuning.COST_PROBES", True)
+    policy = DraftPolicy("model", ("model",), costs)
+    widths = []
+    for _ in range(8 * PROBE_EVERY):
+        choice = policy.choose(FRESH)
+        width = choice.k + 1 if choice.drafter else 1
+        policy.update(choice, width - 1, width - 1, true_cost(width), width)
+        widths.append(width)
+    # probed at once at twice the widest tested width (1), then every PROBE_EVERY steps at
+    # twice the last, drafting up to the tested widths in between
+    assert sorted(set(widths), key=widths.index) == [3, 7, 15, 16]
+    assert widths.index(7) == PROBE_EVERY and widths.index(15) == 2 * PROBE_EVERY
+    assert costs.tested(K_MAX + 1) and widths[-1] == 16  # drafting long once all are tested

@@ -1,0 +1,218 @@
+"""Measuring target pass costs, and the cache of those measurements in the app-data dir.
+
+Calibration takes seconds, so its results are kept in `calibration.json` under a key made
+of everything that changes costs and is known before measuring: the model files, the
+drafters timed, the device and the weight dtypes the backend policy produced, the MLX
+version, and (on Linux) the BLAS library actually mapped into the process — installing the
+system OpenBLAS makes a 16-token pass ~8x cheaper relative to a 1-token one, and an entry
+timed before that must not be reused after it. Entries carry CALIBRATION_FORMAT: entries of
+another format are ignored and dropped, and a damaged file is set aside with a warning and
+measured again. What the cache cannot know (a busy machine) the cost model corrects live
+(`engine.tuning.CostModel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from engine.cache import make_caches
+from engine.paths import cache_dir
+from engine.tuning import CostModel
+
+CALIBRATION_FILE = "calibration.json"
+CALIBRATION_FORMAT = 2  # 1: unversioned entries keyed without BLAS, device or dtypes
+CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+BLAS_NAMES = ("blas", "mkl", "blis", "accelerate")  # file names that give a BLAS away
+
+
+class CalibrationWarning(UserWarning):
+    """The calibration cache was unreadable or held a bad entry; it is measured again."""
+
+
+def loaded_blas(maps: Path = Path("/proc/self/maps")) -> str:
+    """The BLAS libraries mapped into this process (file names, sorted), e.g.
+    "libblas-bd8a282c.so.3.10.0+libopenblasp-r0.3.21.so" with OpenBLAS preloaded.
+
+    "-" where the process map cannot be read (macOS, whose Accelerate is part of the OS).
+    """
+    try:
+        lines = maps.read_text().splitlines()
+    except OSError:
+        return "-"
+    names = {Path(line.split()[-1]).name for line in lines if "/" in line}
+    found = sorted(n for n in names if ".so" in n and any(b in n.lower() for b in BLAS_NAMES))
+    return "+".join(found) or "none"
+
+
+def weight_dtypes(model) -> str:
+    """The dtypes the model's parameters are held in ("float32", "float16+uint32", ...):
+    what the backend's weight policy made of the checkpoint."""
+    return "+".join(sorted({str(v.dtype).removeprefix("mlx.core.")
+                            for _, v in tree_flatten(model.parameters())}))
+
+
+def calibration_key(target_path: Path, target_model, draft_path: Path | None,
+                    layerskip_layers: int | None) -> str:
+    """The cache key: everything that changes pass costs and is known before measuring."""
+    return "|".join([f"v{CALIBRATION_FORMAT}", str(target_path),
+                     str(draft_path) if draft_path else "-", f"skip{layerskip_layers}",
+                     str(mx.default_device()), weight_dtypes(target_model),
+                     f"mlx{mx.__version__}", f"blas:{loaded_blas()}"])
+
+
+def _median(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2]
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    fn()  # warm-up (graph building, allocation)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return _median(samples)
+
+
+def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
+                  context: int = 64, reps: int = 5) -> CostModel:
+    """Time target passes of each width after `context` tokens, and draft tokens."""
+    caches = make_caches(model.n_layers)
+    prefix = mx.zeros((1, context), dtype=mx.int32)
+    mx.eval(model(prefix, cache=caches))
+
+    def target_pass(width: int, n_layers: int | None = None) -> Callable[[], object]:
+        def run() -> object:
+            out = model(mx.zeros((1, width), dtype=mx.int32), cache=caches, n_layers=n_layers)
+            mx.eval(out)
+            for c in caches:
+                c.trim(context)
+            return out
+        return run
+
+    verify_s = {w: _time(target_pass(w), reps) for w in CALIBRATION_WIDTHS}
+
+    builds = []  # the host's share of a width-1 pass: building its graph
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = model(mx.zeros((1, 1), dtype=mx.int32), cache=caches)
+        builds.append(time.perf_counter() - t0)
+        mx.eval(out)
+        for c in caches:
+            c.trim(context)
+    overlap_s = _median(builds)
+    draft_s: dict[str, float] = {"ngram": 0.0}
+    if layerskip_layers:
+        draft_s["layerskip"] = _time(target_pass(1, layerskip_layers), reps)
+    if draft_model is not None:
+        d_caches = make_caches(draft_model.n_layers)
+        mx.eval(draft_model(prefix, cache=d_caches))
+
+        def draft_pass() -> object:
+            out = draft_model(mx.zeros((1, 1), dtype=mx.int32), cache=d_caches)
+            mx.eval(out)
+            for c in d_caches:
+                c.trim(context)
+            return out
+
+        draft_s["model"] = _time(draft_pass, reps)
+    return CostModel(verify_s, draft_s, overlap_s)
+
+
+def _seconds(value: object, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (
+            math.isfinite(value) and value >= 0):
+        raise ValueError(f"{field} must be a number of seconds >= 0, got {value!r}")
+    return float(value)
+
+
+def entry_to_costs(entry: object) -> CostModel:
+    """A cached entry back into a CostModel; ValueError names the bad field."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"the entry must be an object, got {type(entry).__name__}")
+    if entry.get("format") != CALIBRATION_FORMAT:
+        raise ValueError(f"format {entry.get('format')!r} is not {CALIBRATION_FORMAT}")
+    verify, draft = entry.get("verify_s"), entry.get("draft_s", {})
+    if not isinstance(verify, dict) or not verify or not isinstance(draft, dict):
+        raise ValueError("verify_s (non-empty) and draft_s must be objects")
+    verify_s = {}
+    for w, s in verify.items():
+        if not str(w).isdigit() or int(w) < 1:
+            raise ValueError(f"verify_s: width {w!r} is not a positive integer")
+        verify_s[int(w)] = _seconds(s, f"verify_s[{w}]")
+    if 1 not in verify_s:
+        raise ValueError("verify_s has no width 1")
+    draft_s = {str(d): _seconds(s, f"draft_s[{d}]") for d, s in draft.items()}
+    return CostModel(verify_s, draft_s, _seconds(entry.get("overlap_s", 0.0), "overlap_s"))
+
+
+def costs_to_entry(costs: CostModel) -> dict:
+    return {"format": CALIBRATION_FORMAT, "measured_at": int(time.time()),
+            "verify_s": {str(w): s for w, s in sorted(costs.verify_s.items())},
+            "draft_s": dict(costs.draft_s), "overlap_s": costs.overlap_s}
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, CalibrationWarning, stacklevel=3)
+
+
+def _read_table(path: Path) -> dict[str, dict]:
+    """The file's entries of this format. A file that is not a JSON object is moved aside
+    (to `<name>.bad`, so nothing a user may want to look at is lost) with a warning."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        _warn(f"{path}: cannot read ({e}); calibrating again")
+        return {}
+    try:
+        table = json.loads(text)
+        if not isinstance(table, dict):
+            raise ValueError(f"expected a JSON object, got {type(table).__name__}")
+    except ValueError as e:
+        _warn(f"{path}: not a calibration table ({e}); moved to {path.name}.bad, "
+              "calibrating again")
+        with contextlib.suppress(OSError):
+            path.replace(path.with_name(path.name + ".bad"))
+        return {}
+    # entries of an older format hold costs under keys that missed what changes them
+    return {k: v for k, v in table.items()
+            if isinstance(v, dict) and v.get("format") == CALIBRATION_FORMAT}
+
+
+def save_costs(key: str, costs: CostModel) -> None:
+    """Write `costs` under `key`, keeping the file's other entries (atomic replace)."""
+    path = cache_dir() / CALIBRATION_FILE
+    table = _read_table(path)
+    table[key] = costs_to_entry(costs)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(table, indent=1), encoding="utf-8")
+    tmp.replace(path)
+
+
+def load_or_measure_costs(key: str, measure: Callable[[], CostModel]) -> CostModel:
+    """Calibration results cached in the app-data dir under `key` (`calibration_key`).
+
+    A bad entry (wrong types, negative or missing seconds) is reported with a
+    CalibrationWarning naming the file and field, and measured again.
+    """
+    path = cache_dir() / CALIBRATION_FILE
+    entry = _read_table(path).get(key)
+    if entry is not None:
+        try:
+            return entry_to_costs(entry)
+        except ValueError as e:
+            _warn(f"{path}: entry {key!r}: {e}; calibrating again")
+    costs = measure()
+    save_costs(key, costs)
+    return costs

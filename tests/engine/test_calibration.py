@@ -1,0 +1,163 @@
+"""Calibration: timing passes, the key that says when a cached timing still applies, and the
+cache file in the app-data dir (versioned; a damaged file is set aside, never a crash)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.calibration import (
+    CALIBRATION_FORMAT,
+    CALIBRATION_WIDTHS,
+    CalibrationWarning,
+    calibration_key,
+    load_or_measure_costs,
+    loaded_blas,
+    measure_costs,
+    save_costs,
+    weight_dtypes,
+)
+from engine.loading import load_model
+from engine.paths import cache_dir
+from engine.tuning import CostModel
+from tests.fixtures.tiny_models import write_tiny_pair
+
+REFERENCE_BLAS = "/opt/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so"
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path))
+    return tmp_path
+
+
+def calibration_file() -> Path:
+    return cache_dir() / "calibration.json"
+
+
+def maps_file(tmp_path: Path, *libraries: str) -> Path:
+    """A /proc/self/maps look-alike mapping `libraries` (plus libc and an anonymous map)."""
+    lines = ["7f0000000000-7f0000001000 r-xp 00000000 08:01 42 /usr/lib/libc.so.6",
+             "7f0000002000-7f0000003000 rw-p 00000000 00:00 0 "]
+    lines += [f"7f00000{i}4000-7f00000{i}5000 r-xp 00000000 08:01 4{i} {lib}"
+              for i, lib in enumerate(libraries)]
+    path = tmp_path / "maps"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ----------------------------------------------------------------------------- the key
+
+
+def test_loaded_blas_names_the_libraries_mapped_into_the_process(tmp_path: Path) -> None:
+    bundled = loaded_blas(maps_file(tmp_path, REFERENCE_BLAS))
+    preloaded = loaded_blas(maps_file(tmp_path, REFERENCE_BLAS, OPENBLAS))
+    assert bundled == "libblas-bd8a282c.so.3.10.0"
+    assert preloaded == "libblas-bd8a282c.so.3.10.0+libopenblasp-r0.3.21.so"
+    assert loaded_blas(maps_file(tmp_path)) == "none"
+    assert loaded_blas(tmp_path / "no-such-maps") == "-"  # macOS: no /proc
+
+
+def test_the_key_holds_what_changes_costs(tmp_path: Path) -> None:
+    target, draft = write_tiny_pair(tmp_path)
+    model = load_model(str(target)).model
+    key = calibration_key(target, model, draft, 1)
+    fields = key.split("|")
+    assert fields[0] == f"v{CALIBRATION_FORMAT}"
+    assert fields[1:4] == [str(target), str(draft), "skip1"]
+    assert fields[4] == "Device(cpu, 0)"
+    assert fields[5] == weight_dtypes(model) == "float32"  # the CPU policy's weights
+    assert fields[6].startswith("mlx0.")
+    assert fields[7] == f"blas:{loaded_blas()}"
+    assert calibration_key(target, model, None, None) != key
+
+
+# ----------------------------------------------------------------------------- the file
+
+
+def test_calibration_is_measured_once_per_key_and_cached_on_disk(data_dir: Path) -> None:
+    calls: list[str] = []
+
+    def measure(tag: str) -> CostModel:
+        calls.append(tag)
+        return CostModel({1: 0.01, 2: 0.02}, {"ngram": 0.0, "model": 0.003})
+
+    first = load_or_measure_costs("target|draft|cpu", lambda: measure("a"))
+    again = load_or_measure_costs("target|draft|cpu", lambda: measure("b"))
+    other = load_or_measure_costs("target|-|cpu", lambda: measure("c"))
+    assert calls == ["a", "c"]
+    assert again == first == CostModel({1: 0.01, 2: 0.02}, {"ngram": 0.0, "model": 0.003})
+    assert other == first
+    assert calibration_file().parent.parent == data_dir
+    table = json.loads(calibration_file().read_text())
+    assert set(table) == {"target|draft|cpu", "target|-|cpu"}
+    assert table["target|-|cpu"]["format"] == CALIBRATION_FORMAT
+
+
+@pytest.mark.parametrize("text", ["{not json", '{"k": {"format": 2, "verify_s": {"1": 0.',
+                                  "[1, 2, 3]", "\xff\xfe"])
+def test_a_damaged_file_is_set_aside_with_a_warning_and_measured_again(
+        data_dir: Path, text: str) -> None:
+    calibration_file().write_text(text, encoding="latin-1")
+    with pytest.warns(CalibrationWarning, match="calibration.json"):
+        costs = load_or_measure_costs("k", lambda: CostModel({1: 0.5}))
+    assert costs == CostModel({1: 0.5})
+    table = json.loads(calibration_file().read_text())
+    assert table["k"]["verify_s"] == {"1": 0.5}
+    if text != "\xff\xfe":  # valid UTF-8 that is no table: kept for the user to look at
+        assert (cache_dir() / "calibration.json.bad").read_text(encoding="latin-1") == text
+
+
+@pytest.mark.parametrize(("entry", "field"), [
+    ({"verify_s": [0.1, 0.2]}, "verify_s"),
+    ({"verify_s": {"1": "fast"}}, r"verify_s\[1\]"),
+    ({"verify_s": {"1": -0.1}}, r"verify_s\[1\]"),
+    ({"verify_s": {"1": True}}, r"verify_s\[1\]"),
+    ({"verify_s": {"wide": 0.1, "1": 0.1}}, "width 'wide'"),
+    ({"verify_s": {"2": 0.1}}, "no width 1"),
+    ({"verify_s": {"1": 0.1}, "draft_s": {"model": None}}, r"draft_s\[model\]"),
+    ({"verify_s": {"1": 0.1}, "overlap_s": "x"}, "overlap_s"),
+])
+def test_an_entry_with_wrong_types_is_reported_and_measured_again(
+        data_dir: Path, entry: dict, field: str) -> None:
+    good = {"format": CALIBRATION_FORMAT, "verify_s": {"1": 0.3}, "draft_s": {}}
+    calibration_file().write_text(json.dumps(
+        {"k": {"format": CALIBRATION_FORMAT, "draft_s": {}, **entry}, "other": good}))
+    with pytest.warns(CalibrationWarning, match=f"entry 'k': .*{field}"):
+        costs = load_or_measure_costs("k", lambda: CostModel({1: 0.5}))
+    assert costs == CostModel({1: 0.5})
+    table = json.loads(calibration_file().read_text())
+    assert table["k"]["verify_s"] == {"1": 0.5}
+    assert table["other"] == good  # the file's other entries are kept
+
+
+def test_entries_of_an_older_format_are_ignored_and_dropped(
+        data_dir: Path, recwarn: pytest.WarningsRecorder) -> None:
+    # what version 1 wrote: no format, keyed without BLAS, device or dtypes
+    old = {"verify_s": {"1": 0.18, "16": 2.0}, "draft_s": {"ngram": 0.0}, "overlap_s": 0.0}
+    calibration_file().write_text(json.dumps({"k": old, "model|-|skip15|cpu|0.32.4": old}))
+    costs = load_or_measure_costs("k", lambda: CostModel({1: 0.1, 16: 0.15}))
+    assert costs.verify_s == {1: 0.1, 16: 0.15}
+    assert set(json.loads(calibration_file().read_text())) == {"k"}
+    assert not [w for w in recwarn if issubclass(w.category, CalibrationWarning)]
+
+
+def test_saved_costs_replace_their_entry_only(data_dir: Path) -> None:
+    save_costs("a", CostModel({1: 0.1}))
+    save_costs("b", CostModel({1: 0.2}))
+    save_costs("a", CostModel({1: 0.3, 4: 0.4}))
+    assert load_or_measure_costs("a", lambda: CostModel({1: 9.0})).verify_s == {1: 0.3, 4: 0.4}
+    assert load_or_measure_costs("b", lambda: CostModel({1: 9.0})).verify_s == {1: 0.2}
+
+
+def test_measure_costs_on_a_tiny_pair(tmp_path: Path) -> None:
+    target, draft = write_tiny_pair(tmp_path)
+    tgt, dft = load_model(str(target)).model, load_model(str(draft)).model
+    costs = measure_costs(tgt, dft, layerskip_layers=1, context=16, reps=2)
+    assert sorted(costs.verify_s) == sorted(CALIBRATION_WIDTHS)
+    assert all(s > 0 for s in costs.verify_s.values())
+    assert costs.draft_s["ngram"] == 0.0
+    assert costs.draft_s["model"] > 0 and costs.draft_s["layerskip"] > 0
