@@ -58,6 +58,18 @@ class LoadedModel:
     quantization: dict[str, Any] | None = None
 
 
+def holds_quantized(backend: str) -> bool:
+    """The backend weight policy: whether `backend` keeps weights quantized.
+
+    Metal and CUDA run quantized matmuls fast, so packed weights stay packed; MLX's CPU
+    backend is slow at quantized and half-precision matmuls, so there every weight is
+    held as float32 (dequantized at load, or at GGUF import for types MLX cannot read).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend != "cpu"
+
+
 def default_backend() -> str:
     """The device MLX runs on here: "metal", "cuda" or "cpu"."""
     if mx.metal.is_available():
@@ -305,7 +317,7 @@ def _check_checkpoint(folder: Path, backend: str) -> _Checked:
         nn.quantize(stored, class_predicate=lambda p, _m: quant[p].as_dict() if p in quant
                     else False)
     _check_against_model(folder, stored, tensors, quant)
-    plan = plan_memory(tensors, quant, dequantize=backend == "cpu")
+    plan = plan_memory(tensors, quant, dequantize=not holds_quantized(backend))
     return _Checked(folder, config, args, tensors, quant, stored, plan)
 
 

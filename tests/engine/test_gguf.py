@@ -16,11 +16,14 @@ from tokenizers import pre_tokenizers
 
 from engine.errors import EngineError, ModelFormatError, UnsupportedModelError
 from engine.gguf import import_gguf
+from tests.fixtures.gguf_files import SpmVocabulary
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS = 64, 4, 2, 16, 128, 2
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["Ġ t", "h e", "Ġt he"]
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+SPM_TEMPLATE = ("{% for m in messages %}{% if m.role == 'user' %}{{ bos_token }}[INST] {{ m.content }}"
+                " [/INST]{% else %} {{ m.content }}{{ eos_token }}{% endif %}{% endfor %}")
 
 
 def vocabulary() -> tuple[list[str], list[int]]:
@@ -46,15 +49,17 @@ def hf_row_order(n_heads: int, head_dim: int) -> np.ndarray:
 
 def write_tiny_gguf(path: Path, *, arch: str = "llama", types: dict[str, Q] | None = None,
                     pre: str = "smollm", tokenizer_model: str = "gpt2", tie: bool = False,
-                    rope_freqs: np.ndarray | None = None, seed: int = 0) -> dict[str, np.ndarray]:
+                    rope_freqs: np.ndarray | None = None, seed: int = 0,
+                    spm: SpmVocabulary | None = None) -> dict[str, np.ndarray]:
     """Write a 2-layer GGUF the way llama.cpp's converter lays it out.
 
     Returns the HF-layout float32 weights (before permuting and quantizing), keyed by GGUF name.
-    `types` picks each tensor's GGUF type (default F32).
+    `types` picks each tensor's GGUF type (default F32). With `spm`, the vocabulary is that
+    SentencePiece one, stored as llama.cpp stores Llama 2's (scores, no merges, BOS added).
     """
     types = types or {}
     rng = np.random.default_rng(seed)
-    tokens, token_types = vocabulary()
+    tokens, token_types = (spm.tokens, spm.types) if spm else vocabulary()
     shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (len(tokens), HIDDEN),
                                           "output_norm.weight": (HIDDEN,)}
     if not tie:
@@ -83,16 +88,24 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", types: dict[str, Q] | No
     w.add_rope_dimension_count(HEAD_DIM)
     w.add_rope_freq_base(50000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_tokenizer_model(tokenizer_model)
-    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types(token_types)
-    w.add_token_merges(MERGES)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(0)
-    w.add_eot_token_id(2)
-    w.add_add_bos_token(False)
-    w.add_chat_template(TEMPLATE)
+    if spm:
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(spm.scores)
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_chat_template(SPM_TEMPLATE)
+    else:
+        w.add_tokenizer_model(tokenizer_model)
+        w.add_tokenizer_pre(pre)
+        w.add_token_merges(MERGES)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(0)
+        w.add_eot_token_id(2)
+        w.add_add_bos_token(False)
+        w.add_chat_template(TEMPLATE)
     for name, x in hf.items():
         if arch == "llama" and ".attn_q." in name:
             x = llama_cpp_permute(x, HEADS)
@@ -101,8 +114,8 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", types: dict[str, Q] | No
         kind = types.get(name, Q.F32)
         if kind == Q.F32:
             w.add_tensor(name, x)
-        elif kind == Q.F16:
-            w.add_tensor(name, x.astype(np.float16))
+        elif kind in (Q.F16, Q.F64):
+            w.add_tensor(name, x.astype(np.float16 if kind == Q.F16 else np.float64))
         else:
             w.add_tensor(name, gguf.quants.quantize(x, kind), raw_dtype=kind)
     if rope_freqs is not None:
@@ -286,19 +299,20 @@ def test_refuses_other_architectures(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == [tmp_path / "g.gguf"]  # nothing half-written
 
 
-def test_refuses_sentencepiece_and_unknown_pre(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "spm.gguf", tokenizer_model="llama")
-    with pytest.raises(UnsupportedModelError, match="tokenizer model 'llama'"):
-        import_gguf(tmp_path / "spm.gguf", tmp_path / "a")
+def test_refuses_unknown_tokenizer_and_pre(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "t5.gguf", tokenizer_model="t5")
+    with pytest.raises(UnsupportedModelError, match="tokenizer model 't5'"):
+        import_gguf(tmp_path / "t5.gguf", tmp_path / "a")
     write_tiny_gguf(tmp_path / "pre.gguf", pre="mystery")
     with pytest.raises(UnsupportedModelError, match="'mystery'"):
         import_gguf(tmp_path / "pre.gguf", tmp_path / "b")
 
 
-def test_refuses_unreadable_tensor_type(tmp_path: Path) -> None:
-    write_tiny_gguf(tmp_path / "k.gguf", types={"blk.0.ffn_up.weight": Q.Q5_0})
-    with pytest.raises(UnsupportedModelError, match=r"k\.gguf: tensor types Q5_0 \(1 tensors\)"):
-        import_gguf(tmp_path / "k.gguf", tmp_path / "out")
+def test_refuses_tensor_types_gguf_cannot_decode(tmp_path: Path) -> None:
+    write_tiny_gguf(tmp_path / "f64.gguf", types={"blk.0.ffn_up.weight": Q.F64})
+    with pytest.raises(UnsupportedModelError, match=r"f64\.gguf: tensor types F64 \(1 tensors\)"):
+        import_gguf(tmp_path / "f64.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_truncated_and_foreign_files(tmp_path: Path) -> None:
