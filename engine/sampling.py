@@ -12,61 +12,40 @@ Two halves:
   hash, not a stateful RNG. So the token at position t depends only on the distribution at t,
   the seed and t — plain decoding, drafting and verification all draw the same token from the
   same distribution, whatever the batch shape. That is what makes speculative decoding
-  token-identical to plain decoding under the "coupled" acceptance rule.
+  token-identical to plain decoding under the "coupled" acceptance rule. The noise and the
+  sampler itself live in `kernels/` (`kernels.noise`, `kernels.verify_sampler`): the engine
+  reaches them through `kernels.dispatch`, which runs a fused Metal kernel where the device
+  passed its self-test and the pure-MLX reference everywhere else. `coupled_rows` is the
+  engine's entry: processors the kernel does not cover (penalty, top-k, top-p, min-p) run
+  first as MLX ops, in `log_probs`'s order.
 
 `sample_categorical` and `residual_distribution` serve the "rejection" (Leviathan/Chen) rule.
 
 Every processor is a small pure callable made by a factory (`make_*`), so tests and other
 modules can use each step alone. The hot path is `mx.compile`d (once per parameter set), but
-only on the main thread: see `_compiled_on_main_thread`. Compiled and eager results are
+only on the main thread: see `kernels.compile.compiled_on_main_thread`. Compiled and eager results are
 bit-identical on CPU (checked), so the thread changes speed, never tokens.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import TypeVar
 
 import mlx.core as mx
 
 from engine.errors import EngineError
+from kernels import dispatch
+from kernels.compile import compiled_on_main_thread
+from kernels.noise import gumbel_noise as gumbel_noise  # re-exported: the coupled noise
+from kernels.noise import keys_array, positions_u32
+from kernels.noise import noise_bits as noise_bits
+from kernels.verify_sampler import LOG_PROBS, SampledRows, SamplerSpec, log_softmax
 
 Processor = Callable[[mx.array], mx.array]
 """Maps float32 scores (N, V) to scores (N, V); masked tokens are -inf."""
-
-_U32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio, odd: multiplying by it is a bijection mod 2^32
-_VOCAB_STEP = 0x7FEB352D  # another odd multiplier, so t and vocab index walk differently
-_SEED_SALT_LO = 0x243F6A88  # digits of pi: arbitrary but fixed, so seed 0 is not a fixed point
-_SEED_SALT_HI = 0x85A308D3
-_ROW_SALT = 0x13198A2E
-
-F = TypeVar("F", bound=Callable[..., mx.array])
-
-
-def _compiled_on_main_thread(fn: F) -> F:
-    """`fn` compiled when called on the main thread, plain `fn` elsewhere.
-
-    MLX (0.32) keeps a per-thread compile cache; its thread-exit destructor takes the GIL,
-    and a thread that exits while the interpreter is finalizing then aborts the whole
-    process ("terminate called without an active exception"; reproduced on Linux with a
-    plain worker thread). Worker threads therefore run the eager graph.
-    """
-    compiled = mx.compile(fn)
-
-    @functools.wraps(fn)
-    def call(*args: mx.array) -> mx.array:
-        if threading.current_thread() is threading.main_thread():
-            return compiled(*args)
-        return fn(*args)
-
-    return call  # type: ignore[return-value]
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -152,7 +131,7 @@ def make_repetition_penalty(
     return apply
 
 
-@_compiled_on_main_thread
+@compiled_on_main_thread
 def _penalize(logits: mx.array, seen_mask: mx.array, penalty: mx.array) -> mx.array:
     penalized = mx.where(logits > 0, logits / penalty, logits * penalty)
     return mx.where(seen_mask, penalized, logits)
@@ -212,7 +191,7 @@ def make_min_p(min_p: float) -> Processor:
 
 def make_log_softmax() -> Processor:
     """Normalize scores to log-probabilities; -inf stays -inf."""
-    return lambda scores: scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+    return lambda scores: log_softmax(scores)
 
 
 def make_greedy_one_hot() -> Processor:
@@ -252,7 +231,7 @@ def _compiled_chain(temperature: float, top_k: int, top_p: float, min_p: float) 
             scores = step(scores)
         return scores
 
-    return _compiled_on_main_thread(run)
+    return compiled_on_main_thread(run)
 
 
 # --------------------------------------------------------------------------- distribution
@@ -295,115 +274,72 @@ def probs(
     return mx.exp(log_probs(logits, params, histories))
 
 
-# --------------------------------------------------------------------------- coupled noise
+# --------------------------------------------------------------------------- coupled sampling
 
 
-def _fmix32_int(h: int) -> int:
-    """murmur3's 32-bit finalizer on a Python int; must match `_fmix32` bit for bit."""
-    h ^= h >> 16
-    h = (h * 0x85EBCA6B) & _U32
-    h ^= h >> 13
-    h = (h * 0xC2B2AE35) & _U32
-    h ^= h >> 16
-    return h
+@dataclass(frozen=True)
+class _Split:
+    """How one setting divides between MLX processors and the fused sampler."""
+
+    pre: Processor | None  # processors run as MLX ops first (top-k, top-p, min-p need them)
+    spec: SamplerSpec  # what the sampler (kernel or reference) does after them
 
 
-def _u32(value: int) -> mx.array:
-    return mx.array(value, dtype=mx.uint32)
+@lru_cache(maxsize=64)
+def _split(temperature: float, top_k: int, top_p: float, min_p: float) -> _Split:
+    """The processors after the repetition penalty, split at the point the sampler takes over.
 
-
-def _fmix32(h: mx.array) -> mx.array:
-    """murmur3's 32-bit finalizer (a bijection with full avalanche) on uint32 arrays."""
-    h = h ^ (h >> _u32(16))
-    h = h * _u32(0x85EBCA6B)
-    h = h ^ (h >> _u32(13))
-    h = h * _u32(0xC2B2AE35)
-    return h ^ (h >> _u32(16))
-
-
-def _seed_keys(seed: int) -> tuple[int, int]:
-    """Two 32-bit keys from a 64-bit seed (computed in Python: they are per call constants)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**64:
-        raise ValueError(f"seed must be an int in [0, 2**64), got {seed!r}")
-    key_a = _fmix32_int((seed & _U32) ^ _SEED_SALT_LO)
-    key_b = _fmix32_int((((seed >> 32) ^ _SEED_SALT_HI) + key_a) & _U32)
-    return key_a, key_b
-
-
-def _positions_u32(positions: Sequence[int] | mx.array) -> mx.array:
-    if isinstance(positions, mx.array):
-        if positions.ndim != 1:
-            raise ValueError(f"positions must be 1-D, got shape {tuple(positions.shape)}")
-        return positions.astype(mx.uint32)
-    values = [int(t) for t in positions]
-    if any(not 0 <= t <= _U32 for t in values):
-        raise ValueError("positions must be in [0, 2**32)")
-    return mx.array(values, dtype=mx.uint32)
-
-
-def _bits(keys: mx.array, positions: mx.array, vocab_size: int) -> mx.array:
-    """(N, V) uint32 hash of (seed keys, position, vocab index).
-
-    Per row: a_t = fmix(t*G + key_b) is distinct for distinct t (each step is a bijection),
-    b_t = fmix(a_t ^ salt) + key_a re-keys the row. Per entry: fmix(fmix(a_t + v*G2) ^ b_t);
-    the second, row-keyed round keeps two rows from being shifted copies of each other.
+    The order stays the one `log_probs` applies (temperature, top-k, top-p, min-p, then
+    normalization): with only a temperature, the sampler scales and normalizes itself;
+    otherwise the chain up to min-p runs first and the sampler normalizes its output.
     """
-    key_a, key_b = keys[0], keys[1]
-    row = _fmix32(positions * _u32(_GOLDEN) + key_b)[:, None]  # (N, 1)
-    row_key = _fmix32(row ^ _u32(_ROW_SALT)) + key_a  # (N, 1)
-    column = mx.arange(vocab_size, dtype=mx.uint32)[None, :] * _u32(_VOCAB_STEP)  # (1, V)
-    return _fmix32(_fmix32(row + column) ^ row_key)  # (N, V)
+    if temperature == 0:
+        return _Split(None, SamplerSpec(greedy=True))
+    if top_k == 0 and top_p == 1.0 and min_p == 0.0:
+        return _Split(None, SamplerSpec(inv_temperature=1.0 / temperature))
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    chain = make_processors(params)[:-1]  # all but the final log-softmax
+
+    def run(scores: mx.array) -> mx.array:
+        for step in chain:
+            scores = step(scores)
+        return scores
+
+    return _Split(compiled_on_main_thread(run), SamplerSpec())
 
 
-def _gumbel_from_bits(bits: mx.array) -> mx.array:
-    """Gumbel(0, 1) from hash bits, via a uniform strictly inside (0, 1).
+def coupled_rows(
+    logits: mx.array,
+    params: SamplingParams,
+    histories: Sequence[Sequence[int]] | None,
+    positions: Sequence[int] | mx.array,
+    draft_ids: Sequence[int] = (),
+) -> SampledRows:
+    """Each row's coupled sample from logits (N, V) under `params`, its probability, the
+    target probability of each draft and the accepted prefix — lazily, in one sampler call.
 
-    u = (2k + 1) / 2^24 with k the top 23 bits: every value is an exact float32, the
-    smallest is 2^-24 and the largest 1 - 2^-24, so no log ever sees 0 or 1. -log(u) is
-    computed as -log1p(-(1 - u)) with 1 - u exact, which keeps the upper tail of g (u near 1,
-    the tail that lets unlikely tokens win) accurate. The largest g is about 16.6, so a token
-    more than ~19 nats below the best one in its row is never drawn.
+    The same tokens as `sample_coupled(log_probs(logits, params, histories), ...)`; the
+    kernels dispatcher runs it fused on the GPU where the device passed its self-test.
+    Row i is position positions[i]; draft_ids[i] is the draft checked against row i.
     """
-    odd = (bits >> _u32(9)) * _u32(2) + _u32(1)  # (N, V) odd integers below 2^24
-    scale = 2.0**-24
-    one_minus_u = (_u32(1 << 24) - odd).astype(mx.float32) * scale  # exact, in (0, 1)
-    return -mx.log(-mx.log1p(-one_minus_u))
-
-
-@_compiled_on_main_thread
-def _gumbel(keys: mx.array, positions: mx.array, columns: mx.array) -> mx.array:
-    return _gumbel_from_bits(_bits(keys, positions, columns.shape[0]))
-
-
-@_compiled_on_main_thread
-def _coupled_argmax(
-    logprobs: mx.array, keys: mx.array, positions: mx.array, columns: mx.array
-) -> mx.array:
-    noise = _gumbel_from_bits(_bits(keys, positions, columns.shape[0]))
-    return mx.argmax(logprobs + noise, axis=-1).astype(mx.int32)
-
-
-def _columns(vocab_size: int) -> mx.array:
-    # Only its shape is used; it carries V into the compiled functions so they retrace per V.
-    return mx.zeros((vocab_size,), dtype=mx.uint8)
-
-
-def noise_bits(seed: int, positions: Sequence[int] | mx.array, vocab_size: int) -> mx.array:
-    """The raw (N, V) uint32 counter hash behind `gumbel_noise`, row i for positions[i].
-
-    Public so the hash can be checked against an independent implementation.
-    """
-    keys = mx.array(_seed_keys(seed), dtype=mx.uint32)
-    return _bits(keys, _positions_u32(positions), vocab_size)
-
-
-def gumbel_noise(seed: int, positions: Sequence[int] | mx.array, vocab_size: int) -> mx.array:
-    """Float32 Gumbel(0, 1) noise (N, V); row i depends only on (seed, positions[i], index).
-
-    The same (seed, t) gives bit-identical rows in any batch, order or call.
-    """
-    keys = mx.array(_seed_keys(seed), dtype=mx.uint32)
-    return _gumbel(keys, _positions_u32(positions), _columns(vocab_size))
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be (N, V), got shape {tuple(logits.shape)}")
+    scores = logits
+    if (
+        histories is not None
+        and params.repetition_penalty != 1.0
+        and params.repetition_context_size > 0
+    ):
+        penalty = make_repetition_penalty(params.repetition_penalty, params.repetition_context_size)
+        scores = penalty(scores.astype(mx.float32), histories)
+    split = _split(float(params.temperature), params.top_k, float(params.top_p),
+                   float(params.min_p))
+    if split.pre is not None:
+        scores = split.pre(scores.astype(mx.float32))
+    pos = positions_u32(positions)
+    if pos.shape[0] != scores.shape[0]:
+        raise ValueError(f"{pos.shape[0]} positions for {scores.shape[0]} rows")
+    return dispatch.sample_rows(scores, keys_array(params.seed), pos, draft_ids, split.spec)
 
 
 def sample_coupled(logprobs: mx.array, seed: int, positions: Sequence[int] | mx.array) -> mx.array:
@@ -415,11 +351,10 @@ def sample_coupled(logprobs: mx.array, seed: int, positions: Sequence[int] | mx.
     """
     if logprobs.ndim != 2:
         raise ValueError(f"logprobs must be (N, V), got shape {tuple(logprobs.shape)}")
-    pos = _positions_u32(positions)
+    pos = positions_u32(positions)
     if pos.shape[0] != logprobs.shape[0]:
         raise ValueError(f"{pos.shape[0]} positions for {logprobs.shape[0]} rows")
-    keys = mx.array(_seed_keys(seed), dtype=mx.uint32)
-    return _coupled_argmax(logprobs, keys, pos, _columns(logprobs.shape[1]))
+    return dispatch.sample_rows(logprobs, keys_array(seed), pos, (), LOG_PROBS).tokens
 
 
 # --------------------------------------------------------------------------- rejection rule

@@ -34,7 +34,7 @@ from engine.events import TokenKind
 from engine.sampling import SamplingParams, log_probs
 from engine.steps import RawStep, forward, pipelined_step, sample_next
 from engine.tuning import Choice, DraftPolicy
-from engine.verify import Verdict, verify_coupled, verify_rejection
+from engine.verify import Verdict, verify_coupled_logits, verify_rejection
 
 
 def draft_step(drafter: Drafter | None, choice: Choice, context: Sequence[int],
@@ -61,9 +61,9 @@ def verify_step(model, caches: Sequence[KVCache], context: Sequence[int], draft:
     if sampling.repetition_penalty != 1.0:
         base = list(context)
         histories = [base + list(draft.ids[:i]) for i in range(len(draft) + 1)]
-    logp = log_probs(logits, sampling, histories)
     if accept == "coupled":
-        return verify_coupled(logp, draft.ids, sampling.seed, t0)
+        return verify_coupled_logits(logits, sampling, histories, draft.ids, t0)
+    logp = log_probs(logits, sampling, histories)
     return verify_rejection(logp, draft.ids, draft.logq, sampling.seed, t0)
 
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from engine.cache import KVCache
 from engine.events import TokenKind
-from engine.sampling import SamplingParams, log_probs, sample_coupled
+from engine.sampling import SamplingParams, coupled_rows
 
 
 @dataclass
@@ -64,10 +64,8 @@ def sample_next(logits: mx.array, context: Sequence[int],
     the property that makes speculative output identical to plain output.
     """
     history = [context] if params.repetition_penalty != 1.0 else None
-    lp = log_probs(logits[None], params, history)
-    tok = sample_coupled(lp, params.seed, [len(context)])
-    p = mx.exp(mx.take_along_axis(lp, tok[:, None], axis=-1)[:, 0])
-    return tok, p
+    rows = coupled_rows(logits[None], params, history, [len(context)])
+    return rows.tokens, rows.p_token
 
 
 def pipelined_step(model, caches: Sequence[KVCache], logits: mx.array, context: list[int],

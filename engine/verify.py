@@ -14,7 +14,15 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.sampling import residual_distribution, sample_categorical, sample_coupled
+from engine.sampling import (
+    SamplingParams,
+    coupled_rows,
+    residual_distribution,
+    sample_categorical,
+)
+from kernels import dispatch
+from kernels.noise import keys_array, positions_u32
+from kernels.verify_sampler import LOG_PROBS, SampledRows
 
 _MASK64 = (1 << 64) - 1
 
@@ -51,20 +59,6 @@ class Verdict:
     draft_probs: tuple[float, ...]  # target probability of every proposed draft token
 
 
-def _draft_probs(logp_tgt: mx.array, draft_ids: Sequence[int]) -> mx.array:
-    """p_i(d_{i+1}) for every draft (K,); 0 for ids outside the target's vocabulary.
-
-    A draft model with a padded (larger) embedding can propose such ids; they are never
-    gathered out of bounds.
-    """
-    K = len(draft_ids)
-    V = logp_tgt.shape[-1]
-    idx = mx.array(list(draft_ids), dtype=mx.int32)
-    inside = idx < V
-    safe = mx.where(inside, idx, 0)[:, None]
-    return mx.where(inside, mx.exp(mx.take_along_axis(logp_tgt[:K], safe, axis=-1)[:, 0]), 0.0)
-
-
 def _pad_columns(x: mx.array, width: int) -> mx.array:
     """Zero columns appended up to `width` (probabilities of tokens a side cannot emit)."""
     if x.shape[-1] >= width:
@@ -72,22 +66,33 @@ def _pad_columns(x: mx.array, width: int) -> mx.array:
     return mx.concatenate([x, mx.zeros((x.shape[0], width - x.shape[-1]), x.dtype)], axis=-1)
 
 
+def _verdict(rows: SampledRows) -> Verdict:
+    """Read one sampler call back (one sync) as the accepted prefix plus one token."""
+    mx.eval(rows.tokens, rows.n_accepted, rows.p_token, rows.p_draft)
+    n = int(rows.n_accepted.item())
+    return Verdict(n, int(rows.tokens[n].item()), float(rows.p_token[n].item()),
+                   tuple(rows.p_draft.tolist()))
+
+
 def verify_coupled(logp_tgt: mx.array, draft_ids: Sequence[int], seed: int, t0: int) -> Verdict:
     """Accept drafts while each equals the target's own coupled sample at its position.
 
-    Returns the accepted prefix plus one target token; length >= 1. The committed text is
-    therefore exactly what plain decoding with the same seed produces.
+    `logp_tgt` (K+1, V) are log-probabilities. Returns the accepted prefix plus one target
+    token; length >= 1. The committed text is therefore exactly what plain decoding with the
+    same seed produces.
     """
-    K = len(draft_ids)
-    targets = sample_coupled(logp_tgt, seed, list(range(t0, t0 + K + 1)))  # (K+1,)
-    p_tok = mx.exp(mx.take_along_axis(logp_tgt, targets[:, None], axis=-1)[:, 0])
-    p_draft = _draft_probs(logp_tgt, draft_ids) if K else mx.zeros((0,))
-    mx.eval(targets, p_tok, p_draft)
-    s = targets.tolist()
-    n = 0
-    while n < K and draft_ids[n] == s[n]:
-        n += 1
-    return Verdict(n, int(s[n]), float(p_tok[n].item()), tuple(p_draft.tolist()))
+    positions = positions_u32(range(t0, t0 + len(draft_ids) + 1))
+    return _verdict(dispatch.sample_rows(logp_tgt, keys_array(seed), positions, draft_ids,
+                                         LOG_PROBS))
+
+
+def verify_coupled_logits(logits: mx.array, params: SamplingParams,
+                          histories: Sequence[Sequence[int]] | None,
+                          draft_ids: Sequence[int], t0: int) -> Verdict:
+    """`verify_coupled` from raw logits (K+1, V): processors, sampling and the accepted
+    prefix in one sampler call (fused on the GPU where the device allows it)."""
+    positions = range(t0, t0 + len(draft_ids) + 1)
+    return _verdict(coupled_rows(logits, params, histories, positions, draft_ids))
 
 
 def verify_rejection(

@@ -1,0 +1,33 @@
+"""`mx.compile` only where it is safe: on the main thread.
+
+MLX (0.32) keeps a per-thread compile cache; its thread-exit destructor takes the GIL, and a
+thread that exits while the interpreter is finalizing then aborts the whole process
+("terminate called without an active exception"; reproduced on Linux with a plain worker
+thread). Worker threads therefore run the eager graph. Compiled and eager results are
+bit-identical on CPU (checked by the engine's sampling tests), so the thread changes speed,
+never tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import mlx.core as mx
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def compiled_on_main_thread(fn: F) -> F:
+    """`fn` compiled when called on the main thread, plain `fn` elsewhere."""
+    compiled = mx.compile(fn)
+
+    @functools.wraps(fn)
+    def call(*args: mx.array):
+        if threading.current_thread() is threading.main_thread():
+            return compiled(*args)
+        return fn(*args)
+
+    return call  # type: ignore[return-value]
