@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-QT_FREE_PACKAGES = ("engine", "kernels", "app.hub", "app.cli")
+QT_FREE_PACKAGES = ("engine", "kernels", "app.hub", "app.cli", "app.server")
 QT_FREE_MODULES = ("app.store",)
 
 _BLOCK_QT = """

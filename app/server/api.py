@@ -1,0 +1,307 @@
+"""The Starlette app: OpenAI-compatible endpoints over one `EngineBackend`.
+
+Everything a request says is checked here (schema, model, prompt length against the
+context window, queue room) before a `Job` reaches the engine thread. Engine events come
+back through an asyncio queue fed with `call_soon_threadsafe`; a client that disconnects
+sets the job's cancel flag, which the engine reads between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import json
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from app.server.jobs import (
+    EngineBackend,
+    Job,
+    JobEvent,
+    JobFailed,
+    JobQueue,
+    ModelCard,
+    QueueFull,
+    RequestRecord,
+)
+from app.server.schema import (
+    ApiError,
+    GenerationRequest,
+    parse_chat,
+    parse_completion,
+    parse_json,
+)
+from app.server.wire import (
+    chat_response,
+    chunk,
+    completion_response,
+    final_extension,
+    finish_reason,
+    models_list,
+    step_extension,
+    usage,
+)
+from engine.errors import EngineError
+from engine.events import Finished, Step
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Policy for one server: who may call it, how much it takes, what it drafts with."""
+
+    api_key: str | None = None
+    default_drafter: str = "auto"
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_waiting: int = 16  # jobs queued behind the one running; more get 429
+    retry_after_s: int = 2
+
+
+_ids = itertools.count(1)
+
+
+def create_app(backend: EngineBackend, config: ServerConfig | None = None,
+               on_record: Callable[[RequestRecord], None] | None = None) -> Starlette:
+    """The ASGI app; `app.state.jobs` is its JobQueue (request log in `.records`)."""
+    config = config or ServerConfig()
+    jobs = JobQueue(backend, config.max_waiting, on_record)
+    api = _Api(backend, config, jobs)
+    app = Starlette(
+        routes=[Route("/v1/models", api.list_models, methods=["GET"]),
+                Route("/v1/chat/completions", api.chat, methods=["POST"]),
+                Route("/v1/completions", api.completions, methods=["POST"])],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+    )
+    app.state.jobs = jobs
+    return app
+
+
+async def _api_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    err = ApiError(exc.status_code, str(exc.detail), code="not_found"
+                   if exc.status_code == 404 else None)
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+class _Api:
+    def __init__(self, backend: EngineBackend, config: ServerConfig, jobs: JobQueue) -> None:
+        self.backend = backend
+        self.config = config
+        self.jobs = jobs
+
+    # -- endpoints -----------------------------------------------------------------------
+    async def list_models(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(models_list(self.backend.models()))
+
+    async def chat(self, request: Request) -> Response:
+        self._authorize(request)
+        return await self._generate(request, parse_chat(parse_json(await self._body(request))))
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        return await self._generate(request,
+                                    parse_completion(parse_json(await self._body(request))))
+
+    # -- checks --------------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        key = self.config.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        ok = hmac.compare_digest(token.strip().encode(), key.encode())
+        if scheme.lower() != "bearer" or not ok:
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                           code="invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = ApiError(413, f"the request body is over the limit of {limit} bytes",
+                           code="request_too_large")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        parts: list[bytes] = []
+        size = 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise too_big
+            parts.append(part)
+        return b"".join(parts)
+
+    def _card(self, model: str) -> ModelCard:
+        cards = self.backend.models()
+        for card in cards:
+            if card.id == model:
+                return card
+        served = ", ".join(repr(c.id) for c in cards) or "none (no model is loaded)"
+        raise ApiError(404, f"model {model!r} is not served here; this server has {served}",
+                       param="model", code="model_not_found")
+
+    def _options(self, req: GenerationRequest, card: ModelCard, n_prompt: int):
+        from engine.decode import GenerateOptions
+        from engine.sampling import SamplingParams
+
+        window = card.context_window
+        if n_prompt + 1 > window:
+            raise ApiError(400, f"the prompt is {n_prompt} tokens long, but this model's "
+                           f"context window is {window} tokens", param="messages"
+                           if req.endpoint == "chat" else "prompt",
+                           code="context_length_exceeded")
+        if req.max_tokens is not None and req.max_tokens > window:
+            raise ApiError(400, f"max_tokens is {req.max_tokens}, more than this model's "
+                           f"context window of {window} tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        drafter = req.drafter or self.config.default_drafter
+        if drafter not in ("none", "auto", *card.drafters):
+            raise ApiError(400, f"drafter {drafter!r} is not available for this model "
+                           f"(available: none, auto, {', '.join(card.drafters)})",
+                           param="drafter")
+        try:
+            sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p,
+                                      seed=req.seed)
+            return GenerateOptions(max_tokens=req.max_tokens or window - n_prompt,
+                                   sampling=sampling, stop=req.stop, drafter=drafter)
+        except EngineError as e:
+            raise ApiError(422, str(e), code="invalid_value") from None
+
+    # -- generation ----------------------------------------------------------------------
+    async def _generate(self, request: Request, req: GenerationRequest) -> Response:
+        card = self._card(req.model)
+        try:
+            prompt_ids = await run_in_threadpool(_encode, card, req)
+        except EngineError as e:
+            raise ApiError(400, str(e), param="messages" if req.endpoint == "chat"
+                           else "prompt") from None
+        options = self._options(req, card, len(prompt_ids))
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[JobEvent] = asyncio.Queue()
+
+        def emit(event: JobEvent) -> None:  # called on the engine thread
+            # RuntimeError: the server's loop is gone, so nobody is listening
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        prefix = "chatcmpl" if req.endpoint == "chat" else "cmpl"
+        job = Job(f"{prefix}-{next(_ids)}-{int(time.time() * 1000)}", req.endpoint, card.id,
+                  tuple(prompt_ids), options, emit)
+        try:
+            self.jobs.submit(job)
+        except QueueFull:
+            raise ApiError(429, "the server is busy: too many requests are waiting; retry "
+                           "shortly", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        reply = _Reply(job, req, events, int(time.time()))
+        if req.stream:
+            return EventSourceResponse(reply.stream(), ping=15,
+                                       client_close_handler_callable=reply.client_closed)
+        return await reply.collect(request)
+
+
+def _encode(card: ModelCard, req: GenerationRequest) -> list[int]:
+    """Prompt ids (off the event loop: templates and tokenizers take a while on long files)."""
+    from engine.errors import PromptError
+
+    tok = card.tokenizer
+    if req.messages is not None:
+        if not any(m["content"].strip() for m in req.messages):
+            raise PromptError("messages: every message is empty")
+        return tok.encode_chat(list(req.messages), add_generation_prompt=True)
+    assert req.prompt is not None
+    ids = tok.encode(req.prompt, add_special_tokens=True)
+    if not ids:
+        raise PromptError("prompt: the prompt is empty")
+    return ids
+
+
+class _Reply:
+    """One request's events turned into a response, streamed or whole."""
+
+    def __init__(self, job: Job, req: GenerationRequest, events: asyncio.Queue[JobEvent],
+                 created: int) -> None:
+        self.job = job
+        self.req = req
+        self.events = events
+        self.created = created
+        self.steps_by_drafter: Counter[str] = Counter()
+
+    def _extension(self, finished: Finished) -> dict[str, Any]:
+        return final_extension(finished, self.job.options.drafter, self.steps_by_drafter)
+
+    async def client_closed(self, _message: Any) -> None:
+        self.job.cancel.set()
+
+    async def collect(self, request: Request) -> Response:
+        """Wait for the whole reply; a client that hangs up meanwhile cancels it."""
+        watcher = asyncio.create_task(self._watch_disconnect(request))
+        try:
+            while True:
+                event = await self.events.get()
+                if isinstance(event, Step):
+                    self.steps_by_drafter[event.drafter] += 1
+                elif isinstance(event, Finished):
+                    build = chat_response if self.req.endpoint == "chat" else completion_response
+                    return JSONResponse(build(self.job.job_id, self.created, self.job.model,
+                                              event, self._extension(event)))
+                elif isinstance(event, JobFailed):
+                    raise ApiError(event.status if event.status < 499 else 500, event.message)
+        finally:
+            watcher.cancel()
+            self.job.cancel.set()  # no-op after Finished; stops the engine otherwise
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.job.cancel.set()
+
+    async def stream(self) -> AsyncIterator[dict[str, str]]:
+        """SSE `data:` chunks: role, one per target pass, the finish, usage, `[DONE]`."""
+        job, req = self.job, self.req
+
+        def data(obj: dict[str, Any]) -> dict[str, str]:
+            return {"data": json.dumps(obj, ensure_ascii=False)}
+
+        def make(text: str | None, **kw: Any) -> dict[str, str]:
+            return data(chunk(req.endpoint, job.job_id, self.created, job.model, text, **kw))
+
+        try:
+            yield make("", first=True)
+            while True:
+                event = await self.events.get()
+                if isinstance(event, Step):
+                    self.steps_by_drafter[event.drafter] += 1
+                    yield make(event.text, extension=step_extension(event))
+                elif isinstance(event, Finished):
+                    # usage rides on the finish chunk too, so every stream reports it
+                    yield make(None if req.endpoint == "chat" else "",
+                               finish=finish_reason(event.stats), usage_=usage(event.stats),
+                               extension=self._extension(event))
+                    if req.include_usage:
+                        yield make(None, usage_=usage(event.stats), no_choices=True)
+                    break
+                elif isinstance(event, JobFailed):
+                    err = ApiError(event.status if event.status < 499 else 500, event.message)
+                    yield data(err.body())
+                    break
+            yield {"data": "[DONE]"}
+        finally:
+            job.cancel.set()  # a client gone mid-stream stops the engine at its next step

@@ -1,0 +1,158 @@
+"""Starting the server: `understudy serve` in the foreground, or uvicorn on a background
+thread (the app's Server menu, tests) on a socket bound before it starts, so the address
+is known and a busy port fails at once with a readable message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 1234
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Off loopback the server is reachable by others: it must then require a key."""
+    if not is_loopback(host) and not api_key:
+        raise EngineError(f"--host {host} makes the server reachable from other machines: "
+                          "give --api-key KEY too (clients send 'Authorization: Bearer KEY')")
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening-ready socket on host:port (port 0 picks a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise EngineError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
+
+
+class BackgroundServer:
+    """uvicorn serving `app` on its own thread; `stop()` shuts it down and joins."""
+
+    def __init__(self, app: Starlette, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                 log_level: str = "warning") -> None:
+        import uvicorn
+
+        self.app = app
+        self._sock = bind_socket(host, port)
+        self.url = base_url(self._sock)
+        # no signal handlers off the main thread; uvicorn skips them there by itself
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
+                                                     lifespan="off"))
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._sock]},
+                                        name="understudy-server", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> str:
+        """Start serving; returns the base URL once uvicorn accepts connections."""
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise EngineError(f"the server on {self.url} did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._sock.close()
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """`understudy serve`: the arguments, kept beside the code that reads them."""
+    p = sub.add_parser("serve", help="a local OpenAI-compatible server (speculative by default)")
+    p.add_argument("--model", default="demo",
+                   help="model folder, HF repo id in the local HF cache, or 'demo' (default)")
+    p.add_argument("--draft", default=None, help="draft model for --drafter model/auto")
+    p.add_argument("--drafter", default="auto",
+                   choices=["none", "model", "ngram", "layerskip", "auto"],
+                   help="default drafter for requests (default: auto); a request may name "
+                   "another in the extension field 'drafter'")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="address to listen on (default 127.0.0.1; any other needs --api-key)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every request")
+    p.add_argument("--queue", type=int, default=16,
+                   help="requests that may wait behind the running one (more get 429)")
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Load the model on the engine thread, then serve in the foreground until Ctrl-C."""
+    import uvicorn
+
+    from app.server.api import ServerConfig, create_app
+    from app.server.engine_thread import EngineSpec, EngineThread
+
+    check_bind(args.host, args.api_key)
+    if args.queue < 0:
+        raise EngineError(f"--queue must be 0 or more, got {args.queue}")
+    sock = bind_socket(args.host, args.port)  # before loading: a busy port fails fast
+    engine = EngineThread(EngineSpec(args.model, args.draft, args.drafter))
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    print(f"loading {args.model}…", flush=True)
+    try:
+        card = engine.start()
+        config = ServerConfig(api_key=args.api_key, default_drafter=args.drafter,
+                              max_waiting=args.queue)
+        app = create_app(engine, config, on_record=_print_record)
+        url = base_url(sock)
+        print(f"serving {card.id} at {url} (drafter {args.drafter}); Ctrl-C to stop",
+              flush=True)
+        print(client_snippet(url, card.id, bool(args.api_key)), flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+        sock.close()
+    return 0
+
+
+def _print_record(r) -> None:
+    print(f"{r.endpoint} {r.model}: {r.prompt_tokens} prompt ({r.prefilled_tokens} prefilled) "
+          f"+ {r.completion_tokens} tokens · {r.decode_tps:.1f} tok/s · tau {r.tau:.2f} · "
+          f"{r.drafter} · {r.finish}", flush=True)
+
+
+def client_snippet(url: str, model: str, needs_key: bool) -> str:
+    """Python that talks to this server with the official client (shown by CLI and app)."""
+    key = '"YOUR_KEY"' if needs_key else '"not-needed"'
+    return (
+        "from openai import OpenAI\n"
+        f'client = OpenAI(base_url="{url}", api_key={key})\n'
+        "reply = client.chat.completions.create(\n"
+        f'    model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])\n'
+        "print(reply.choices[0].message.content)"
+    )

@@ -1,0 +1,218 @@
+"""Request bodies: parsed strictly, checked whole, before anything reaches the engine.
+
+Status codes: 400 for a body that is not UTF-8 JSON or asks for something this server does
+not do (tools, n > 1, a prompt longer than the context); 422 for well-formed JSON with a
+field of the wrong type or out of range (the message names the field); 413 for a body over
+the size limit; 404 for an unknown model. Fields OpenAI defines that change nothing here
+(`user`, `metadata`, `store`, ...) are ignored; ones whose effect we cannot honour are refused.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+DRAFTER_CHOICES = ("none", "model", "ngram", "layerskip", "auto")
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(Exception):
+    """An error the client gets as an OpenAI-style error object with `status`."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    @property
+    def type(self) -> str:
+        return {401: "authentication_error", 404: "not_found_error",
+                429: "rate_limit_error"}.get(self.status, "invalid_request_error"
+                                               if self.status < 500 else "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class Message(_Strict):
+    # "tool" is not here: tool calls are refused, so a tool result has nothing to answer
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(_Strict):
+    include_usage: StrictBool = False
+
+
+Stop = StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)] | None
+TopP = Annotated[float, Field(gt=0.0, le=1.0)] | None
+Seed = Annotated[StrictInt, Field(ge=0, lt=2**64)] | None
+MaxTokens = Annotated[StrictInt, Field(ge=1)] | None
+
+
+class _Common(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: StrictStr
+    max_tokens: MaxTokens = None
+    temperature: Temperature = None
+    top_p: TopP = None
+    seed: Seed = None
+    stop: Stop = None
+    n: Annotated[StrictInt, Field(ge=1)] | None = None
+    stream: StrictBool | None = False
+    stream_options: StreamOptions | None = None
+    drafter: Literal[DRAFTER_CHOICES] | None = None  # extension: per-request drafter
+
+
+class ChatBody(_Common):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: MaxTokens = None
+
+
+class CompletionBody(_Common):
+    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+
+
+# Fields we refuse when set to anything but their "off" value: honouring them is not
+# possible here, and silently ignoring them would return something the client did not ask for.
+_OFF: tuple[Any, ...] = (None, False, [], {}, "none")
+_REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
+    "tools": ("tool calls are not supported by this server", _OFF),
+    "functions": ("function calls are not supported by this server", _OFF),
+    "tool_choice": ("tool calls are not supported by this server", _OFF),
+    "logprobs": ("logprobs are not supported by this server", _OFF),
+    "top_logprobs": ("logprobs are not supported by this server", (*_OFF, 0, 0.0)),
+    "logit_bias": ("logit_bias is not supported by this server", _OFF),
+    "presence_penalty": ("presence_penalty is not supported by this server", (*_OFF, 0, 0.0)),
+    "frequency_penalty": ("frequency_penalty is not supported by this server", (*_OFF, 0, 0.0)),
+    "echo": ("echo is not supported by this server", _OFF),
+    "suffix": ("suffix (fill-in-the-middle) is not supported by this server", (*_OFF, "")),
+    "best_of": ("best_of is not supported by this server", (*_OFF, 1)),
+    "audio": ("audio output is not supported by this server", _OFF),
+}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request: what the engine needs, in engine terms (prompt not yet encoded)."""
+
+    endpoint: str  # "chat" | "completion"
+    model: str
+    messages: tuple[dict[str, str], ...] | None  # chat
+    prompt: str | None  # completion
+    max_tokens: int | None  # None: up to the context window
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    drafter: str | None  # None: the server's default
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 saying why not."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return data
+
+
+def _validate(model: type[_Common], data: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or "body"
+        raise ApiError(422, f"{where}: {err['msg']}", param=where,
+                       code="invalid_value") from None
+
+
+def _is_union_tag(part: int | str) -> bool:
+    """pydantic names the union member that failed in `loc` ("str", "list[TextPart]"):
+    the client wants the field's path, not our type's internals."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "none")
+                                      or "[" in part or "-" in part)
+
+
+def _refuse_unsupported(body: _Common) -> None:
+    extra = body.model_extra or {}
+    for name, (why, off_values) in _REFUSED.items():
+        value = extra.get(name)
+        # type-exact comparison: True == 1 must not pass for "off"
+        if not any(type(value) is type(off) and value == off for off in off_values):
+            raise ApiError(400, why, param=name, code="unsupported_parameter")
+    if body.n not in (None, 1):
+        raise ApiError(400, "n > 1 is not supported: ask for one choice per request",
+                       param="n", code="unsupported_parameter")
+
+
+def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in stops):
+        raise ApiError(422, "stop: stop strings must not be empty", param="stop",
+                       code="invalid_value")
+    return stops
+
+
+def _common(body: _Common, endpoint: str, max_tokens: int | None,
+            messages: tuple[dict[str, str], ...] | None, prompt: str | None
+            ) -> GenerationRequest:
+    _refuse_unsupported(body)
+    return GenerationRequest(
+        endpoint=endpoint, model=body.model, messages=messages, prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        seed=0 if body.seed is None else body.seed,
+        stop=_stop(body.stop), stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        drafter=body.drafter,
+    )
+
+
+def parse_chat(data: dict[str, Any]) -> GenerationRequest:
+    """A /v1/chat/completions body → GenerationRequest ("developer" is a system message)."""
+    body = _validate(ChatBody, data)
+    messages = tuple({"role": "system" if m.role == "developer" else m.role,
+                      "content": m.text()} for m in body.messages)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    return _common(body, "chat", max_tokens, messages, None)
+
+
+def parse_completion(data: dict[str, Any]) -> GenerationRequest:
+    """A /v1/completions body → GenerationRequest (OpenAI's default of 16 tokens)."""
+    body = _validate(CompletionBody, data)
+    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    return _common(body, "completion", body.max_tokens or 16, None, prompt)

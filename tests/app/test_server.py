@@ -1,0 +1,402 @@
+"""The OpenAI-compatible server on 127.0.0.1, driven by the official `openai` client.
+
+One standalone engine thread over a tiny random target and draft serves every app in this
+module (each app has its own queue and key policy, as `create_app` allows). Raw HTTP
+(http.client) covers the bad-input table, where the client library would refuse to send.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+
+from app.cli import main
+from app.server.api import ServerConfig, create_app
+from app.server.engine_thread import EngineSpec, EngineThread
+from app.server.jobs import ModelCard
+from app.server.run import BackgroundServer, check_bind
+from engine.errors import EngineError
+from engine.tokenizer import Tokenizer
+from tests.fixtures.tiny_models import write_tiny_pair
+
+LONG = 1900  # greedy tiny-model replies to HELLO run this long without eos (~10 s)
+HELLO = [{"role": "user", "content": "Hello world"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineThread]:
+    target, draft = write_tiny_pair(tmp_path_factory.mktemp("server"))
+    thread = EngineThread(EngineSpec(str(target), str(draft), "auto"))
+    thread.start()
+    yield thread
+    thread.close()
+
+
+@pytest.fixture(scope="module")
+def card(engine: EngineThread) -> ModelCard:
+    return engine.models()[0]
+
+
+@pytest.fixture(scope="module")
+def serve(engine: EngineThread) -> Iterator[Callable[..., BackgroundServer]]:
+    """Start an app over the shared engine with a given ServerConfig; stopped at the end."""
+    started: list[BackgroundServer] = []
+
+    def start(config: ServerConfig | None = None) -> BackgroundServer:
+        server = BackgroundServer(create_app(engine, config), port=0)
+        server.start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def server(serve) -> BackgroundServer:
+    return serve()
+
+
+@pytest.fixture(scope="module")
+def client(server: BackgroundServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def jobs(server: BackgroundServer):
+    return server.app.state.jobs
+
+
+def wait_idle(server: BackgroundServer, timeout: float = 30.0) -> None:
+    """Until the engine has ended every job this app submitted."""
+    deadline = time.monotonic() + timeout
+    while jobs(server).in_flight:
+        assert time.monotonic() < deadline, "the engine did not end its jobs"
+        time.sleep(0.02)
+
+
+def ext(obj) -> dict:
+    return (obj.model_extra or {}).get("understudy") or {}
+
+
+def stream_text(stream) -> tuple[str, list, list]:
+    """Content of a chat stream, its chunks, and the committed token texts of the extension."""
+    parts, chunks, tokens = [], [], []
+    for chunk in stream:
+        chunks.append(chunk)
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+        tokens += [t["text"] for t in ext(chunk).get("tokens", []) if t["kind"] != "rejected"]
+    return "".join(parts), chunks, tokens
+
+
+# ---------------------------------------------------------------------------- happy paths
+
+
+def test_models_lists_the_served_model(client: openai.OpenAI, card: ModelCard) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [card.id]
+    assert ext(models[0])["context_window"] == 2048
+
+
+def test_chat_usage_and_stream_match(client: openai.OpenAI, card: ModelCard) -> None:
+    ids = card.tokenizer.encode_chat(HELLO)
+    reply = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=12,
+                                           temperature=0.8, seed=3)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].finish_reason == "length"
+    assert reply.usage.prompt_tokens == len(ids)
+    assert reply.usage.completion_tokens == 12
+    assert reply.usage.total_tokens == len(ids) + 12
+    stats = ext(reply)
+    assert {"drafted", "accepted", "tau", "drafter"} <= stats.keys()
+    assert stats["drafter"] == "auto"
+
+    stream = client.chat.completions.create(
+        model=card.id, messages=HELLO, max_tokens=12, temperature=0.8, seed=3, stream=True,
+        stream_options={"include_usage": True})
+    text, chunks, tokens = stream_text(stream)
+    assert text == reply.choices[0].message.content
+    assert "".join(tokens) == text  # every committed token's text, none lost or doubled
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_raw_prompt_no_template(client: openai.OpenAI, card: ModelCard) -> None:
+    prompt = "def add(a, b):"
+    reply = client.completions.create(model=card.id, prompt=prompt, max_tokens=8,
+                                      temperature=0)
+    assert reply.object == "text_completion"
+    assert reply.usage.prompt_tokens == len(card.tokenizer.encode(prompt,
+                                                                  add_special_tokens=True))
+    assert reply.usage.completion_tokens == 8
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=card.id, prompt=prompt, max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == reply.choices[0].text
+
+
+def test_stop_string_ends_the_reply(client: openai.OpenAI, card: ModelCard) -> None:
+    def chat(**kw):
+        return client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=24,
+                                              temperature=0, **kw)
+
+    full = chat().choices[0].message.content
+    # a piece of the reply after its start (the tiny model writes some bytes that are not
+    # text; a stop string is text)
+    start = next(i for i in range(1, len(full) - 2) if full[i:i + 3].isascii()
+                 and full[i:i + 3].strip() and full[i:i + 3].isprintable())
+    stop = full[start:start + 3]
+    cut = chat(stop=[stop, "never-there"])
+    assert cut.choices[0].message.content == full[: full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    streamed, _, _ = stream_text(chat(stop=stop, stream=True))
+    assert streamed == full[: full.index(stop)]
+
+
+def test_seed_determinism_and_speculation_is_lossless(client: openai.OpenAI,
+                                                      card: ModelCard) -> None:
+    def run(drafter: str, seed: int = 11) -> tuple[str, dict]:
+        reply = client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": "the cat sat on the mat"}],
+            max_tokens=40, temperature=0.9, seed=seed, extra_body={"drafter": drafter})
+        return reply.choices[0].message.content, ext(reply)
+
+    plain, plain_stats = run("none")
+    assert plain_stats["drafted"] == 0
+    assert run("none")[0] == plain  # same seed, same text
+    assert run("none", seed=12)[0] != plain  # negative control: the seed matters
+    drafted = 0
+    for drafter in ("model", "layerskip", "auto"):
+        text, stats = run(drafter)
+        assert text == plain, drafter
+        drafted += stats["drafted"]
+    assert drafted > 0  # speculation really ran
+
+
+def test_follow_up_prefills_only_new_tokens(client: openai.OpenAI, card: ModelCard) -> None:
+    """An editor's follow-up repeating the file reuses the cached prefix."""
+    file = "def add(a, b):\n    return a + b\n" * 30
+    first = [{"role": "system", "content": file}, {"role": "user", "content": "Explain it."}]
+    second = [{"role": "system", "content": file}, {"role": "user", "content": "Rename b."}]
+    client.chat.completions.create(model=card.id, messages=first, max_tokens=4,
+                                   temperature=0)
+    b = client.chat.completions.create(model=card.id, messages=second, max_tokens=4,
+                                       temperature=0)
+    ids_a, ids_b = card.tokenizer.encode_chat(first), card.tokenizer.encode_chat(second)
+    shared = next(i for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=False)) if x != y)
+    assert shared > 300
+    assert b.usage.prompt_tokens == len(ids_b)
+    assert ext(b)["prefilled_tokens"] == len(ids_b) - shared
+
+
+# ---------------------------------------------------------------------------- queue, cancel
+
+
+def test_disconnect_cancels_generation(client: openai.OpenAI, server: BackgroundServer,
+                                       card: ModelCard) -> None:
+    n_records = len(jobs(server).records)
+    stream = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=LONG,
+                                            temperature=0, stream=True,
+                                            extra_body={"drafter": "none"})
+    received = 0
+    for chunk in stream:
+        received += len(ext(chunk).get("tokens", []))
+        if received >= 3:
+            break
+    stream.close()
+    wait_idle(server)
+    record = jobs(server).records[n_records]
+    assert record.finish == "cancelled"
+    # the engine stopped soon after the client left, far short of the LONG reply
+    assert received <= record.completion_tokens < 300
+
+
+def test_full_queue_gets_429_with_retry_after(serve, card: ModelCard) -> None:
+    server = serve(ServerConfig(max_waiting=1, retry_after_s=3))
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+
+    def long_stream():
+        return client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=LONG,
+                                              temperature=0, stream=True,
+                                              extra_body={"drafter": "none"})
+
+    running = long_stream()
+    next(iter(running))
+    waiting = long_stream()  # queued behind it
+    assert jobs(server).in_flight == 2
+    with pytest.raises(openai.RateLimitError) as err:
+        client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=4)
+    assert err.value.status_code == 429
+    assert err.value.response.headers["retry-after"] == "3"
+    assert err.value.body["code"] == "queue_full"
+    running.close()
+    waiting.close()
+    wait_idle(server)
+    ok = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=2)
+    assert ok.usage.completion_tokens == 2  # room again once the engine ended both
+
+
+# ---------------------------------------------------------------------------- API key
+
+
+def test_api_key_required_and_compared(serve, card: ModelCard,
+                                       caplog: pytest.LogCaptureFixture) -> None:
+    server = serve(ServerConfig(api_key="sekret-key"))
+    wrong = openai.OpenAI(base_url=server.url, api_key="guess", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as err:
+        wrong.models.list()
+    assert "sekret-key" not in str(err.value)
+    status, body = raw(server, "GET", "/v1/models", None, {})
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    right = openai.OpenAI(base_url=server.url, api_key="sekret-key", max_retries=0)
+    assert right.chat.completions.create(model=card.id, messages=HELLO,
+                                         max_tokens=2).usage.completion_tokens == 2
+    assert "sekret-key" not in caplog.text
+
+
+def test_off_loopback_needs_a_key(capsys: pytest.CaptureFixture[str]) -> None:
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    check_bind("localhost", None)
+    check_bind("0.0.0.0", "k")
+    with pytest.raises(EngineError, match="--api-key"):
+        check_bind("0.0.0.0", None)
+    with pytest.raises(EngineError, match="--api-key"):
+        check_bind("192.168.1.5", "")
+    assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: --host 0.0.0.0") and "--api-key" in err
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+def raw(server: BackgroundServer, method: str, path: str, body: bytes | None,
+        headers: dict[str, str]) -> tuple[int, dict]:
+    url = urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def _chat(**fields) -> bytes:
+    body = {"model": "MODEL", "messages": HELLO, "max_tokens": 2, **fields}
+    return json.dumps(body).encode()
+
+
+BAD_INPUT = [
+    # (name, path, body, status, code or param to find in the error)
+    ("malformed JSON", "/v1/chat/completions", b'{"model": ', 400, None),
+    ("invalid UTF-8", "/v1/chat/completions",
+     b'{"model": "MODEL", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
+    ("not an object", "/v1/chat/completions", b"[1, 2]", 400, None),
+    ("max_tokens wrong type", "/v1/chat/completions", _chat(max_tokens="ten"), 422,
+     "max_tokens"),
+    ("max_tokens bool", "/v1/chat/completions", _chat(max_tokens=True), 422, "max_tokens"),
+    ("messages not a list", "/v1/chat/completions", _chat(messages="hi"), 422, "messages"),
+    ("messages empty", "/v1/chat/completions", _chat(messages=[]), 422, "messages"),
+    ("content wrong type", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": 5}]), 422, "messages.0.content"),
+    ("unknown role", "/v1/chat/completions",
+     _chat(messages=[{"role": "wizard", "content": "hi"}]), 422, "messages.0.role"),
+    ("negative max_tokens", "/v1/chat/completions", _chat(max_tokens=-5), 422, "max_tokens"),
+    ("huge max_tokens", "/v1/chat/completions", _chat(max_tokens=10**9), 400, "max_tokens"),
+    ("temperature too high", "/v1/chat/completions", _chat(temperature=3.5), 422,
+     "temperature"),
+    ("temperature negative", "/v1/chat/completions", _chat(temperature=-0.1), 422,
+     "temperature"),
+    ("top_p zero", "/v1/chat/completions", _chat(top_p=0), 422, "top_p"),
+    ("seed negative", "/v1/chat/completions", _chat(seed=-1), 422, "seed"),
+    ("stream not bool", "/v1/chat/completions", _chat(stream="yes"), 422, "stream"),
+    ("too many stops", "/v1/chat/completions", _chat(stop=["a", "b", "c", "d", "e"]), 422,
+     "stop"),
+    ("empty stop", "/v1/chat/completions", _chat(stop=""), 422, "stop"),
+    ("unknown drafter", "/v1/chat/completions", _chat(drafter="oracle"), 422, "drafter"),
+    ("tools refused", "/v1/chat/completions",
+     _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
+    ("n > 1 refused", "/v1/chat/completions", _chat(n=2), 400, "n"),
+    ("logprobs refused", "/v1/chat/completions", _chat(logprobs=True), 400, "logprobs"),
+    ("unknown model", "/v1/chat/completions", _chat(model="gpt-9"), 404, "model"),
+    ("prompt longer than context", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "hello " * 2100}]), 400, "messages"),
+    ("body over the limit", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": "x" * 70_000}]), 413, None),
+    ("completion prompt wrong type", "/v1/completions",
+     b'{"model": "MODEL", "prompt": 5}', 422, "prompt"),
+    ("completion prompt too long", "/v1/completions",
+     json.dumps({"model": "MODEL", "prompt": "hello " * 2100}).encode(), 400, "prompt"),
+    ("unknown path", "/v1/embeddings", b"{}", 404, None),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "param"), BAD_INPUT,
+                         ids=[row[0] for row in BAD_INPUT])
+def test_bad_input_gets_an_error_object(serve, card: ModelCard, name: str, path: str,
+                                        body: bytes, status: int, param: str | None) -> None:
+    server = _limited_server(serve)
+    n_records = len(jobs(server).records)
+    body = body.replace(b"MODEL", card.id.encode())
+    got, reply = raw(server, "POST", path, body, {"Content-Type": "application/json"})
+    assert got == status, reply
+    error = reply["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    assert len(jobs(server).records) == n_records  # nothing reached the engine
+    assert jobs(server).in_flight == 0
+    # and the server keeps serving
+    ok, good = raw(server, "POST", "/v1/chat/completions",
+                   _chat(model=card.id, max_tokens=1), {"Content-Type": "application/json"})
+    assert ok == 200 and good["usage"]["completion_tokens"] == 1
+
+
+_LIMITED: dict[str, BackgroundServer] = {}
+
+
+def _limited_server(serve) -> BackgroundServer:
+    """One app for the whole table, with a 64 KiB body limit so the 413 row stays small."""
+    if "server" not in _LIMITED:
+        _LIMITED["server"] = serve(ServerConfig(max_body_bytes=64 * 1024))
+    return _LIMITED["server"]
+
+
+def test_tokenizer_off_the_engine_thread_matches(card: ModelCard, engine) -> None:
+    """The server encodes prompts with the card's tokenizer, a copy of the model folder's."""
+    folder = Path(engine.spec.model)
+    assert card.tokenizer.encode_chat(HELLO) == Tokenizer.from_folder(folder).encode_chat(HELLO)
+
+
+def test_concurrent_requests_keep_their_own_tokens(client: openai.OpenAI,
+                                                   card: ModelCard) -> None:
+    """Four clients at once on tiny models: each streamed text equals that request alone."""
+    prompts = [f"Say {word}" for word in ("one", "two", "three", "four")]
+    alone = {p: client.chat.completions.create(
+        model=card.id, messages=[{"role": "user", "content": p}], max_tokens=10,
+        temperature=0.7, seed=5).choices[0].message.content for p in prompts}
+    got: dict[str, str] = {}
+
+    def run(p: str) -> None:
+        got[p], _, tokens = stream_text(client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": p}], max_tokens=10,
+            temperature=0.7, seed=5, stream=True))
+        assert "".join(tokens) == got[p]
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == alone
