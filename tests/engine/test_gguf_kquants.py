@@ -175,9 +175,15 @@ def test_quantizing_backend_gets_mlx_affine_weights(mixed_gguf: Path, tmp_path: 
         steps = np.ptp(ref[name].reshape(-1, 64), axis=1) / (2**bits - 1)
         err = np.abs(got - ref[name]).reshape(-1, 64).max(axis=1)
         assert (err <= 1.25 * steps).all(), (name, float((err / steps).max()))
-    # the folder loads under both policies
-    model, _ = load_weights(out, backend="cpu")
-    assert bool(mx.all(mx.isfinite(model(mx.array([[1, 2, 3]])))))
+    # the folder loads under both policies, to the same model
+    tokens = mx.array([[1, 2, 3, 200]])
+    dequantized, _ = load_weights(out, backend="cpu")
+    packed, _ = load_weights(out, backend="metal")  # QuantizedLinear layers, run here on CPU
+    assert type(packed.model.layers[0].mlp.up_proj).__name__ == "QuantizedLinear"
+    want = dequantized(tokens)
+    assert bool(mx.all(mx.isfinite(want)))
+    np.testing.assert_allclose(np.array(packed(tokens).astype(mx.float32)), np.array(want),
+                               atol=2e-3 * float(mx.abs(want).max()))
 
 
 def test_cpu_import_checks_memory_first(mixed_gguf: Path, tmp_path: Path) -> None:
