@@ -165,8 +165,8 @@ class ModelsPanel(QDialog):
         self.import_folder_button.setToolTip("Copy an MLX / Hugging Face model folder "
                                              "(config.json, tokenizer.json, *.safetensors)")
         self.import_gguf_button = QPushButton("Import GGUF…")
-        self.import_gguf_button.setToolTip("Convert a llama-family GGUF file (Q4_0, Q4_1, Q8_0, "
-                                           "F16, F32)")
+        self.import_gguf_button.setToolTip("Convert a Llama / Mistral / Qwen GGUF file (K-quants "
+                                           "like Q4_K_M, Q8_0, Q4_0, F16...)")
         self.resume_button = QPushButton("Resume Download")
         self.delete_button = QPushButton("Delete…")
         self.library_footer = QLabel()
