@@ -22,7 +22,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="model folder, HF repo id in the local HF cache, or 'demo' (default)")
     p.add_argument("--draft", default=None, help="draft model for --drafter model/auto")
     p.add_argument("--drafter", default="none",
-                   choices=["none", "model", "ngram", "layerskip", "head", "auto"],
+                   choices=["none", "model", "ngram", "layerskip", "auto"],
                    help="speculative drafter (default: none = plain decoding)")
     p.add_argument("--k", default="auto", help="draft length: 'auto' (adaptive) or a number")
     p.add_argument("--accept", default="coupled", choices=["coupled", "rejection"],
@@ -47,9 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Local LLM chat with visible speculative decoding. "
         "Run without arguments to open the app.",
     )
-    parser.add_argument("--smoke", action="store_true",
-                        help="open the app offscreen, answer one message on the demo model, "
-                        "quit (status 0 when it worked)")
     sub = parser.add_subparsers(dest="command")
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to stdout")
@@ -94,9 +91,6 @@ def build_parser() -> argparse.ArgumentParser:
     from app.server.run import add_parser as add_serve_parser
 
     add_serve_parser(sub)
-    from app.cli.train import add_parser as add_train_parser
-
-    add_train_parser(sub)
     return parser
 
 
@@ -155,9 +149,7 @@ def _session(args: argparse.Namespace):
     if target.tokenizer.template_warning:
         print(f"warning: {target.tokenizer.template_warning}", file=sys.stderr)
     draft = load_model(args.draft) if args.draft else None
-    from engine.drafters.head_io import head_for_drafter
-
-    return ChatSession(target, draft, head_for_drafter(target, args.drafter))
+    return ChatSession(target, draft)
 
 
 def _stream(session, messages, options, out=sys.stdout) -> Any:
@@ -259,16 +251,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from app.cli.train import run
-
-    return run(args)
-
-
-def cmd_gui(model: str = "demo", *, smoke: bool = False) -> int:
+def cmd_gui(model: str = "demo") -> int:
     from app.ui.gui import run_gui
 
-    return run_gui(model, smoke=smoke)
+    return run_gui(model)
 
 
 COMMANDS = {
@@ -277,14 +263,11 @@ COMMANDS = {
     "import-gguf": cmd_import_gguf,
     "bench": cmd_bench,
     "serve": cmd_serve,
-    "train-drafter": cmd_train_drafter,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # older macOS passes a process serial number to apps opened from the Finder
-    argv = [a for a in argv if not a.startswith("-psn_")]
     ensure_openblas(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -292,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command is None:
-            return cmd_gui(smoke=args.smoke)
+            return cmd_gui()
         if args.command == "models":
             from app.cli import models as models_cli
 
