@@ -21,8 +21,9 @@ from engine.errors import EngineError
 from engine.events import Finished, Stats
 from engine.sampling import SamplingParams
 from engine.turns import take_turns
+from resources import resource_path
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "resources" / "bench" / "prompts.jsonl"
+DEFAULT_PROMPTS = resource_path("bench", "prompts.jsonl")
 MODES = ("plain", "spec")
 SLICE_STEPS = 8  # steps one mode runs before the next mode's turn (about a second here)
 BOOTSTRAP_RESAMPLES = 2000

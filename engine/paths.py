@@ -34,3 +34,13 @@ def cache_dir() -> Path:
     d = app_data_dir() / "cache"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def log_dir() -> Path:
+    """Where the app writes its log: the platform log dir (~/Library/Logs/Understudy on
+    macOS, ~/.local/state/Understudy/log on Linux), or `logs/` under UNDERSTUDY_DATA_DIR
+    when that is set, so tests and portable installs keep their logs with their data."""
+    override = os.environ.get("UNDERSTUDY_DATA_DIR")
+    d = Path(override) / "logs" if override else Path(platformdirs.user_log_dir(APP_NAME, False))
+    d.mkdir(parents=True, exist_ok=True)
+    return d

@@ -43,4 +43,17 @@ def ensure_openblas(argv: list[str]) -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(p for p in (str(lib), env.get("LD_PRELOAD", "")) if p)
     env["UNDERSTUDY_NO_REEXEC"] = "1"
-    os.execve(sys.executable, [sys.executable, "-m", "app.cli", *argv], env)
+    command = reexec_command(argv)
+    os.execve(command[0], command, env)
+
+
+def reexec_command(argv: list[str]) -> list[str]:
+    """The command line that runs `understudy <argv>` again in a fresh process.
+
+    In the packaged app `sys.executable` is the bundle's own `Understudy` executable, which
+    takes the subcommands itself and knows no `-m`; from a checkout or a pip install it is
+    the Python interpreter.
+    """
+    if getattr(sys, "frozen", False):
+        return [sys.executable, *argv]
+    return [sys.executable, "-m", "app.cli", *argv]

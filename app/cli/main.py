@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Local LLM chat with visible speculative decoding. "
         "Run without arguments to open the app.",
     )
+    parser.add_argument("--smoke", action="store_true",
+                        help="open the app offscreen, answer one message on the demo model, "
+                        "quit (status 0 when it worked)")
     sub = parser.add_subparsers(dest="command")
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to stdout")
@@ -251,10 +254,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
-def cmd_gui(model: str = "demo") -> int:
+def cmd_gui(model: str = "demo", *, smoke: bool = False) -> int:
     from app.ui.gui import run_gui
 
-    return run_gui(model)
+    return run_gui(model, smoke=smoke)
 
 
 COMMANDS = {
@@ -268,6 +271,8 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    # older macOS passes a process serial number to apps opened from the Finder
+    argv = [a for a in argv if not a.startswith("-psn_")]
     ensure_openblas(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -275,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command is None:
-            return cmd_gui()
+            return cmd_gui(smoke=args.smoke)
         if args.command == "models":
             from app.cli import models as models_cli
 

@@ -1,41 +1,77 @@
 """`understudy` with no arguments: the desktop app on a qasync event loop.
 
 qasync lets asyncio coroutines (hub search and downloads) run on Qt's event loop; all MLX
-work stays on the engine worker thread, started here and joined on the way out.
+work stays on the engine worker thread, started here and joined on the way out. The log
+goes to the platform log dir and an uncaught exception shows where (`app.ui.crash`);
+`smoke=True` drives one message end to end and quits (`app.ui.smoke`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import sys
+import tempfile
+from pathlib import Path
 
+from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication
 
+from app.logs import setup_logging
 from app.store import Store, StoreError
+from app.ui.app_icon import app_icon
 from app.ui.controller import ChatController
+from app.ui.crash import CrashHandler
 from app.ui.main_window import MainWindow, load_chat_settings, settings_store
 from app.ui.theme import apply_theme
-from app.ui.worker import EngineHost
+from app.ui.worker import ChatSettings, EngineHost
+
+log = logging.getLogger("understudy")
 
 
-def run_gui(model_spec: str = "demo") -> int:
-    """Open the main window on `model_spec` and run until it closes; returns the exit code."""
+def run_gui(model_spec: str = "demo", *, smoke: bool = False) -> int:
+    """Open the main window on `model_spec` and run until it closes; returns the exit code.
+
+    With `smoke`, the window opens offscreen (unless QT_QPA_PLATFORM says otherwise) over a
+    scratch history and settings file, answers one message and quits: 0 when it worked.
+    """
     import qasync
 
+    log_path = setup_logging()
+    log.info("Understudy starting (%s)", "smoke test" if smoke else "GUI")
+    if smoke:
+        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # before QApplication exists
     app = QApplication.instance() or QApplication(sys.argv)
     app.setApplicationName("Understudy")
     app.setOrganizationName("Understudy")
     app.setApplicationDisplayName("Understudy")
+    app.setWindowIcon(app_icon())
     apply_theme(app)
+    scratch = tempfile.TemporaryDirectory(prefix="understudy-smoke-") if smoke else None
     try:
-        store = Store()
+        store = Store(Path(scratch.name) / "history.sqlite3") if scratch else Store()
     except StoreError as exc:
         print(f"understudy: {exc}", file=sys.stderr)
         return 1
     host = EngineHost()
-    qs = settings_store()
-    controller = ChatController(store, host, load_chat_settings(qs, model_spec))
+    if scratch:
+        from app.ui.smoke import SMOKE_MAX_TOKENS
+
+        qs = QSettings(str(Path(scratch.name) / "settings.ini"), QSettings.Format.IniFormat)
+        settings = ChatSettings(target=model_spec, max_tokens=SMOKE_MAX_TOKENS)
+    else:
+        qs = settings_store()
+        settings = load_chat_settings(qs, model_spec)
+    controller = ChatController(store, host, settings)
     window = MainWindow(controller, qs)
+    crash = CrashHandler(controller, log_path, window, show_dialog=not smoke)
+    crash.install()
+    run = None
+    if smoke:
+        from app.ui.smoke import SmokeRun
+
+        run = SmokeRun(controller, window)
     window.open_initial_conversation()
     window.show()
     controller.load_model()
@@ -48,6 +84,11 @@ def run_gui(model_spec: str = "demo") -> int:
         with loop:
             loop.run_until_complete(closing.wait())
     finally:
+        crash.uninstall()
         host.shutdown()
         store.close()
+        if scratch:
+            scratch.cleanup()
+    if run is not None:
+        return 1 if crash.count or run.exit_code is None else run.exit_code
     return 0
