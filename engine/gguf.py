@@ -66,8 +66,12 @@ _SUFFIXES = ("weight", "bias", "scales", "biases")
 
 
 def import_gguf(src: Path, dest: Path, *, overwrite: bool = False, backend: str | None = None,
-                memory_budget: int | None = None) -> Path:
+                memory_budget: int | None = None,
+                on_progress: Callable[[int, int], None] | None = None) -> Path:
     """Convert the GGUF file `src` into the HF-style folder `dest`; returns `dest`.
+
+    `on_progress(done, total)` counts tensors converted, for a progress bar (the folder is
+    written after the last one).
 
     `backend` ("cpu", "metal", "cuda"; default: this machine's) decides how dequantized
     types are written (see the module docstring); `memory_budget` (bytes) replaces the
@@ -89,7 +93,7 @@ def import_gguf(src: Path, dest: Path, *, overwrite: bool = False, backend: str 
     quantize = holds_quantized(backend)
     if not quantize:
         _check_float32_fits(src, sources, memory_budget, backend)
-    weights, quantization = _hf_weights(src, arch, config, sources, quantize)
+    weights, quantization = _hf_weights(src, arch, config, sources, quantize, on_progress)
     if quantization:
         config["quantization"] = quantization
     info = {"source": src.name, "size": src.stat().st_size, "importer_version": IMPORTER_VERSION,
@@ -233,7 +237,8 @@ def _hf_name(name: str) -> str | None:
 
 
 def _hf_weights(src: Path, arch: str, config: dict[str, Any], tensors: dict[str, TensorSource],
-                quantize: bool) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
+                quantize: bool, on_progress: Callable[[int, int], None] | None = None,
+                ) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
     """Rename to HF keys, un-permute llama q/k rows, hold dequantized types as the backend
     wants, and describe the quantization. One tensor at a time, so at most one float32
     copy of a re-quantized tensor exists at once."""
@@ -246,7 +251,9 @@ def _hf_weights(src: Path, arch: str, config: dict[str, Any], tensors: dict[str,
              "self_attn.k_proj": config["num_key_value_heads"]}
     weights: dict[str, mx.array] = {}
     specs: dict[str, tuple[int, int]] = {}  # module -> (group size, bits)
-    for name, source in tensors.items():
+    for done, (name, source) in enumerate(tensors.items()):
+        if on_progress is not None:
+            on_progress(done, len(tensors))
         hf = _hf_name(name)
         if hf is None:  # rope_freqs: folded into config.json
             continue
@@ -265,6 +272,8 @@ def _hf_weights(src: Path, arch: str, config: dict[str, Any], tensors: dict[str,
         if suffix == "scales":  # mx.load's own triple: group 32, bits from the packed width
             packed_in = tensors[name.rpartition(".")[0] + ".weight"].shape[-1]
             specs[module] = (GROUP_SIZE, packed_in * 32 // (x.shape[-1] * GROUP_SIZE))
+    if on_progress is not None:
+        on_progress(len(tensors), len(tensors))
     return weights, _quantization_block(specs)
 
 

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -193,8 +194,11 @@ def _folder_problem(folder: Path) -> str | None:
     return None
 
 
-def import_model(src: Path, name: str | None = None) -> LocalModel:
+def import_model(src: Path, name: str | None = None,
+                 on_progress: Callable[[int, int], None] | None = None) -> LocalModel:
     """Add a local model folder or GGUF file to the library (see the module docstring).
+
+    `on_progress(done, total)` follows a GGUF conversion tensor by tensor.
 
     Raises:
         ModelFormatError / UnsupportedModelError: the source cannot be loaded.
@@ -214,7 +218,7 @@ def import_model(src: Path, name: str | None = None) -> LocalModel:
             raise ModelFormatError(f"{src}: expected a .gguf file or a model folder")
         from engine.gguf import import_gguf
 
-        import_gguf(src, dest)
+        import_gguf(src, dest, on_progress=on_progress)
     else:
         problem = _folder_problem(src)
         if problem:

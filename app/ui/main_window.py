@@ -48,6 +48,7 @@ from engine.events import Stats, Step
 
 if TYPE_CHECKING:
     from app.hub.library import LocalModel
+    from app.ui.import_dialog import ImportProgressDialog
     from app.ui.models_controller import ModelsController
     from app.ui.models_panel import ModelsPanel
     from app.ui.preferences import PreferencesDialog
@@ -117,6 +118,7 @@ class MainWindow(QMainWindow):
         self._models_controller: ModelsController | None = None
         self._models_panel: ModelsPanel | None = None
         self._preferences: PreferencesDialog | None = None
+        self.import_dialog: ImportProgressDialog | None = None  # made with the models controller
 
         self.title_label = QLabel("New chat")
         self.title_label.setObjectName("chatTitle")
@@ -222,6 +224,8 @@ class MainWindow(QMainWindow):
         file_menu.addSeparator()
         self.models_action = self._action("Models…", self.show_models, "Ctrl+Shift+M")
         file_menu.addAction(self.models_action)
+        self.import_gguf_action = self._action("Import GGUF…", lambda: self.import_gguf())
+        file_menu.addAction(self.import_gguf_action)
         file_menu.addSeparator()
         file_menu.addAction(self._action("Close Window", self.close, "Ctrl+W"))
         quit_action = self._action("Quit Understudy", self.close, QKeySequence.StandardKey.Quit)
@@ -290,14 +294,35 @@ class MainWindow(QMainWindow):
     def models_controller(self) -> ModelsController:
         """The model manager's logic, made on first use (it reads the keychain lazily too)."""
         if self._models_controller is None:
+            from app.ui.import_dialog import ImportProgressDialog
             from app.ui.models_controller import ModelsController
 
             mc = ModelsController(self.qsettings, mlx_thread=self.controller.host.thread,
                                   parent=self)
             mc.library_changed.connect(self._on_library_changed)
             mc.model_deleted.connect(self._on_model_deleted)
+            mc.model_imported.connect(self._on_model_imported)
+            mc.library_failed.connect(self._on_library_failed)
             self._models_controller = mc
+            self.import_dialog = ImportProgressDialog(mc, self)
         return self._models_controller
+
+    def import_gguf(self, path: str | None = None) -> None:
+        """File ▸ Import GGUF…: convert a GGUF file into the library (on the engine thread,
+        with progress); the model then appears in the pickers."""
+        if path is None:
+            path, _ = QFileDialog.getOpenFileName(self, "Import GGUF", "", "GGUF models (*.gguf)")
+            if not path:
+                return
+        self.models_controller.import_path(path)
+
+    def _on_model_imported(self, model: LocalModel) -> None:
+        self.statusBar().showMessage(f"Imported {model.name}: pick it in Target or Draft model",
+                                     8000)
+
+    def _on_library_failed(self, message: str) -> None:
+        if self._models_panel is None or not self._models_panel.isVisible():
+            self.banner.show_message(message)  # else the panel shows it
 
     def show_models(self) -> ModelsPanel:
         """Open (or raise) the Models panel."""

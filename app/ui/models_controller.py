@@ -110,6 +110,9 @@ class ModelsController(QObject):
     token_needed = Signal(str)  # what to do (a gated/private repo, or a rejected token)
     library_changed = Signal(object)  # list[LocalModel]
     model_imported = Signal(object)  # LocalModel
+    import_started = Signal(str)  # source path
+    import_progressed = Signal(int, int)  # GGUF tensors converted, of total
+    import_ended = Signal(bool)  # succeeded (after model_imported or library_failed)
     model_deleted = Signal(str, int)  # name, bytes freed
     library_failed = Signal(str)
     token_changed = Signal(object)  # TokenStatus
@@ -117,6 +120,7 @@ class ModelsController(QObject):
     token_check_failed = Signal(str)
     offline_changed = Signal(bool)
     _progress_from_thread = Signal(object)
+    _import_progress_from_thread = Signal(int, int)
 
     def __init__(self, qsettings: QSettings | None = None, *,
                  token_store: TokenStore | None = None,
@@ -145,6 +149,7 @@ class ModelsController(QObject):
             self._runner.moveToThread(mlx_thread)
             mlx_thread.finished.connect(self._runner.deleteLater)
         self._progress_from_thread.connect(self._on_progress_from_thread)
+        self._import_progress_from_thread.connect(self._on_import_progress_from_thread)
 
     # -- configuration -----------------------------------------------------------------
     def _current_token(self) -> str | None:
@@ -356,17 +361,28 @@ class ModelsController(QObject):
 
     @asyncSlot(str)
     async def import_path(self, path: str) -> None:
-        """Copy a model folder, or convert a GGUF file, into the library."""
+        """Copy a model folder, or convert a GGUF file (on the engine thread, reporting each
+        tensor through `import_progressed`), into the library."""
         src = Path(path)
-        run = self._on_mlx_thread if src.suffix.lower() == ".gguf" else self._in_executor
+        gguf = src.suffix.lower() == ".gguf"
+        run = self._on_mlx_thread if gguf else self._in_executor
+        self.import_started.emit(str(src))
         try:
-            model = await run(import_model, src)
+            model = await run(import_model, src,
+                              on_progress=self._import_progress_from_thread.emit if gguf else None)
         except Exception as e:  # noqa: BLE001
-            self.library_failed.emit(_describe(e))
-            return
-        finally:
             self.refresh_library()
+            self.library_failed.emit(_describe(e))
+            self.import_ended.emit(False)
+            return
+        self.refresh_library()
         self.model_imported.emit(model)
+        self.import_ended.emit(True)
+
+    @Slot(int, int)
+    def _on_import_progress_from_thread(self, done: int, total: int) -> None:
+        """Runs on the GUI thread: the emitter is the engine thread, so this is queued."""
+        self.import_progressed.emit(done, total)
 
     # -- token ----------------------------------------------------------------------------
     def token_status(self) -> TokenStatus:

@@ -2,19 +2,22 @@
 
 Every edit becomes a new `ChatSettings` handed to the controller; the next reply uses it and
 stores it with the message. Draft models the target cannot use stay listed but disabled,
-with the reason on hover.
+with the reason on hover. Both pickers end with "Choose a folder…", for a model folder
+anywhere on disk.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import QStandardItem, QStandardItemModel
 from PySide6.QtWidgets import (
     QCheckBox,
     QComboBox,
     QDoubleSpinBox,
+    QFileDialog,
     QFormLayout,
     QHBoxLayout,
     QLabel,
@@ -41,6 +44,8 @@ ACCEPT_HELP = {
     "rejection": "Leviathan/Chen rejection sampling: same distribution, accepts more often",
 }
 NO_DRAFT = "(no draft model)"
+CHOOSE_FOLDER = "Choose a folder…"
+CHOOSE = "\x00choose-folder"  # the item data of CHOOSE_FOLDER, never a model spec
 
 
 class SettingsPanel(QWidget):
@@ -138,8 +143,11 @@ class SettingsPanel(QWidget):
     # -- reading and writing ---------------------------------------------------------------
     def settings(self) -> ChatSettings:
         draft = self.draft_combo.currentData()
+        if draft == CHOOSE:
+            draft = self.controller.settings.draft
+        target = self.target_combo.currentData()
         return ChatSettings(
-            target=str(self.target_combo.currentData() or self.controller.settings.target),
+            target=str(target if target and target != CHOOSE else self.controller.settings.target),
             draft=str(draft) if draft else None,
             drafter=str(self.drafter_combo.currentData()),
             k=None if self.k_auto.isChecked() else self.k_spin.value(),
@@ -183,6 +191,8 @@ class SettingsPanel(QWidget):
             self.target_combo.setItemData(self.target_combo.count() - 1,
                                           str(choice.path or choice.spec),
                                           Qt.ItemDataRole.ToolTipRole)
+        self.target_combo.insertSeparator(self.target_combo.count())
+        self.target_combo.addItem(CHOOSE_FOLDER, CHOOSE)
         _select(self.target_combo, current)
 
     def _fill_drafts(self, current: str | None) -> None:
@@ -202,6 +212,10 @@ class SettingsPanel(QWidget):
             else:
                 item.setToolTip(str(choice.path))
             self.draft_model.appendRow(item)
+        choose = QStandardItem(CHOOSE_FOLDER)
+        choose.setData(CHOOSE, Qt.ItemDataRole.UserRole)
+        choose.setToolTip("A model folder (config.json, tokenizer.json, *.safetensors)")
+        self.draft_model.appendRow(choose)
         _select(self.draft_combo, current)
 
     def refresh_models(self) -> None:
@@ -232,8 +246,33 @@ class SettingsPanel(QWidget):
     def _on_edited(self, *_: object) -> None:
         if self._updating:
             return
+        for role, combo in (("target", self.target_combo), ("draft", self.draft_combo)):
+            if combo.currentData() == CHOOSE:
+                self._updating = True  # the current choice stays until a folder is chosen
+                try:
+                    _select(combo, getattr(self.controller.settings, role))
+                finally:
+                    self._updating = False
+                # after the popup has closed, not from inside its selection signal
+                QTimer.singleShot(0, lambda role=role: self.choose_folder(role))
+                return
         self._sync_enabled()
         self.controller.set_settings(self.settings())
+
+    def choose_folder(self, role: str) -> str | None:
+        """Ask for a model folder and use it as the "target" or "draft"; returns its path."""
+        title = "Choose a target model folder" if role == "target" else \
+            "Choose a draft model folder"
+        chosen = QFileDialog.getExistingDirectory(self, title)
+        if not chosen:
+            return None
+        if not (Path(chosen) / "config.json").is_file():
+            self.model_status.setText(f"{chosen}: not a model folder (it has no config.json)")
+            return None
+        current = self.controller.settings
+        self.controller.set_settings(replace(current, target=chosen) if role == "target"
+                                     else replace(current, draft=chosen))
+        return chosen
 
     def _on_settings_changed(self, settings: ChatSettings) -> None:
         if settings != self.settings():  # changed elsewhere (menu, test, restore)

@@ -115,3 +115,43 @@ def test_loading_a_model_shows_determinate_progress(qtbot, make_gui, tiny_pair) 
     assert seen[-1][0] == seen[-1][1] > 0
     assert not bar.isVisible()
     assert "of weights read" in bar.toolTip()
+
+
+def test_pickers_offer_choose_a_folder(qtbot, make_gui, tiny_pair, tmp_path, monkeypatch) -> None:
+    from PySide6.QtWidgets import QFileDialog
+
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    target, draft = tiny_pair
+    gui = make_gui(plain_settings(target))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    panel = gui.window.settings_panel
+    chosen: list[str] = []
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: chosen[-1])
+
+    def choose(combo, folder) -> None:
+        chosen.append(str(folder))
+        last = combo.count() - 1
+        assert combo.itemText(last) == "Choose a folder…"
+        combo.setCurrentIndex(last)  # what picking the entry does
+
+    # a draft model from anywhere on disk
+    choose(panel.draft_combo, draft)
+    assert panel.draft_combo.currentText() != "Choose a folder…"  # never left selected
+    qtbot.waitUntil(lambda: gui.controller.settings.draft == str(draft), timeout=TIMEOUT)
+    assert panel.draft_combo.currentData() == str(draft)
+    assert panel.draft_reason(str(draft)) is None
+
+    # a folder that holds no model is refused, with the reason, and nothing changes
+    (tmp_path / "photos").mkdir()
+    choose(panel.target_combo, tmp_path / "photos")
+    qtbot.waitUntil(lambda: "not a model folder" in panel.model_status.text(), timeout=TIMEOUT)
+    assert gui.controller.settings.target == str(target)
+
+    # a target model folder: chosen, listed, loaded
+    other = write_tiny_model(tmp_path / "Elsewhere", seed=3)
+    choose(panel.target_combo, other)
+    qtbot.waitUntil(lambda: gui.controller.model is not None
+                    and gui.controller.model.spec == str(other), timeout=TIMEOUT)
+    assert panel.target_combo.currentData() == str(other)
+    assert panel.target_combo.currentText() == "Elsewhere"

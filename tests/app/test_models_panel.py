@@ -488,6 +488,40 @@ def test_gguf_import_runs_on_the_engine_thread_and_reaches_the_picker(qtbot, gui
     assert str(model.path) in _targets(gui)
 
 
+def test_file_import_gguf_shows_progress_and_the_model_reaches_the_pickers(
+        qtbot, gui, tmp_path, monkeypatch):
+    from engine.paths import models_dir
+
+    src = tmp_path / "Tiny Menu.Q8_0.gguf"
+    write_tiny_gguf(src)
+    monkeypatch.setattr(QFileDialog, "getOpenFileName",
+                        lambda *a, **k: (str(src), "GGUF models (*.gguf)"))
+    window = gui.window
+    seen: list[tuple[int, int, bool, int]] = []  # done, total, dialog shown, its bar's value
+
+    def record(done: int, total: int) -> None:  # after the dialog's own handler
+        dialog = window.import_dialog
+        seen.append((done, total, dialog.isVisible(), dialog.progress.value()))
+        if done == total // 2:
+            dialog.grab().save("/tmp/shots/import_gguf_progress.png")
+
+    window.models_controller.import_progressed.connect(record)
+    with qtbot.waitSignal(window.models_controller.import_ended, timeout=TIMEOUT) as ended:
+        window.import_gguf_action.trigger()
+    assert ended.args == [True]
+    n = seen[-1][1]
+    assert n > 10 and [s[0] for s in seen] == list(range(n + 1))  # one report per tensor
+    assert all(total == n and shown and value == done for done, total, shown, value in seen)
+    assert not window.import_dialog.isVisible()
+    assert str(models_dir() / "tiny-menu.q8_0") in _targets(gui)
+    assert "Imported tiny-menu.q8_0" in window.statusBar().currentMessage()
+
+    # a second import of the same name fails with one clear line in the main window
+    with qtbot.waitSignal(window.models_controller.import_ended, timeout=TIMEOUT) as ended:
+        window.import_gguf_action.trigger()
+    assert ended.args == [False] and "already exists" in window.banner.text
+
+
 def test_without_a_keychain_the_token_is_kept_for_the_session_only(qtbot, cache, tmp_path):
     from keyring.backends import fail
 

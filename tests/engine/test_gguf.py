@@ -195,6 +195,18 @@ def test_weights_keep_types_and_get_hf_names(tmp_path: Path) -> None:
     assert not any(k.startswith(("blk.", "token_embd", "output")) for k in weights)
 
 
+def test_import_reports_each_tensor(tmp_path: Path) -> None:
+    """A progress bar's feed: 0..n arrays read from the file (a quantized tensor is read as
+    weight, scales and biases), in order, ending at n."""
+    write_tiny_gguf(tmp_path / "m.gguf", types=MIXED)
+    reports: list[tuple[int, int]] = []
+    import_gguf(tmp_path / "m.gguf", tmp_path / "out",
+                on_progress=lambda done, total: reports.append((done, total)))
+    n = reports[-1][1]
+    assert n >= len(gguf.GGUFReader(tmp_path / "m.gguf").tensors) > 0
+    assert reports == [(i, n) for i in range(n + 1)]
+
+
 @pytest.mark.parametrize(("layer", "q_type", "k_type"),
                          [(0, Q.Q4_0, Q.Q4_1), (1, Q.Q8_0, Q.F16)])
 def test_qk_rows_unpermuted_like_reference(tmp_path: Path, layer: int, q_type: Q, k_type: Q
