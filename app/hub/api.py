@@ -390,9 +390,9 @@ def preferred_author() -> str | None:
     """The author whose repos rank first in a search: mlx-community where the backend keeps
     weights quantized as stored (Metal, CUDA), since its repos are MLX-quantized; none on
     the CPU backend, which dequantizes every model to float32 at load anyway."""
-    from engine.loading import default_backend
+    from engine.loading import default_backend, holds_quantized
 
-    return DEFAULT_AUTHOR if default_backend() != "cpu" else None
+    return DEFAULT_AUTHOR if holds_quantized(default_backend()) else None
 
 
 def rank_hits(hits: list[RepoSummary], prefer_author: str | None = None) -> list[RepoSummary]:
