@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.decode import ChatSession, GenerateOptions
+from engine.drafters.head_io import head_for_drafter
 from engine.errors import EngineError
 from engine.events import Finished, Stats
 from engine.sampling import SamplingParams
@@ -259,7 +260,7 @@ def run_cli(args: argparse.Namespace) -> int:
                               k=k, accept=args.accept)
     target = load_model(args.model)
     draft = load_model(args.draft) if args.draft else None
-    session = ChatSession(target, draft)
+    session = ChatSession(target, draft, head_for_drafter(target, drafter))
     print(f"model {target.name} ({target.backend}), drafter {drafter}, k {args.k}, "
           f"{len(prompts)} prompts, modes {','.join(modes)}", file=sys.stderr)
     report = run_bench(session, prompts, modes, options, log=print)

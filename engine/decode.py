@@ -20,19 +20,20 @@ import mlx.core as mx
 from engine.cache import cache_length, make_caches, trim_caches
 from engine.calibration import calibration_key, load_or_measure_costs, measure_costs
 from engine.drafters.base import Drafter
+from engine.drafters.head import HeadDrafter, HeadModel
 from engine.drafters.layerskip import LayerSkipDrafter
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
-from engine.errors import EngineError, IncompatibleDraftError, PromptError
+from engine.errors import EngineError, HeadError, IncompatibleDraftError, PromptError
 from engine.events import Finished, PromptProgress, Stats, Step, Token
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.stopping import StopMatcher
-from engine.tuning import CostModel, DraftPolicy, PolicyMemory
+from engine.tuning import AcceptanceEstimate, CostModel, DraftPolicy, PolicyMemory
 
-DRAFTERS = ("none", "model", "ngram", "layerskip", "auto")
+DRAFTERS = ("none", "model", "ngram", "layerskip", "head", "auto")
 ACCEPT_RULES = ("coupled", "rejection")
 
 
@@ -73,7 +74,9 @@ class ChatSession:
     the thread that loaded the models (MLX streams are thread-local).
     """
 
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None) -> None:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
+                 head: HeadModel | None = None) -> None:
+        """`head`: a trained drafter head for this target (engine/drafters/head_io.py)."""
         self.target = target
         self.draft = draft
         if draft is not None:
@@ -89,6 +92,9 @@ class ChatSession:
         if draft is not None:
             self._drafters["model"] = ModelDrafter(
                 draft.model, vocab_size=target.model.args.vocab_size)
+        self.head = head
+        if head is not None:
+            self._drafters["head"] = HeadDrafter(head, target.model, self.caches_tgt)
         self._costs: CostModel | None = None
         self._policy_memory: dict[str, PolicyMemory] = {}  # per drafter mode, across replies
 
@@ -153,6 +159,9 @@ class ChatSession:
             )
         if mode == "layerskip" and "layerskip" not in self._drafters:
             raise EngineError("drafter 'layerskip' needs a target with at least 2 layers")
+        if mode == "head" and "head" not in self._drafters:
+            raise HeadError("drafter 'head' needs a trained head: run `understudy "
+                            "train-drafter --model MODEL` first")
         available = tuple(self._drafters) if mode == "auto" else (mode,)
         costs = None
         if options.k is None:
@@ -160,6 +169,9 @@ class ChatSession:
         ngram = self._drafters["ngram"]
         assert isinstance(ngram, NgramDrafter)
         memory = self._policy_memory.setdefault(mode, PolicyMemory())
+        if self.head is not None and self.head.heldout_top1:
+            # the head's first estimate is its held-out agreement from training
+            memory.estimates.setdefault("head", AcceptanceEstimate(self.head.heldout_top1))
         return DraftPolicy(mode, available, costs, options.k, ngram.match_with_length, memory)
 
     def _calibrate(self) -> CostModel:
@@ -169,8 +181,12 @@ class ChatSession:
         draft_model = self.draft.model if self.draft is not None else None
         key = calibration_key(self.target.path, self.target.model,
                               self.draft.path if self.draft else None, n_skip)
-        return load_or_measure_costs(
+        costs = load_or_measure_costs(
             key, lambda: measure_costs(self.target.model, draft_model, n_skip))
+        head = self._drafters.get("head")
+        if isinstance(head, HeadDrafter) and "head" not in costs.draft_s:
+            costs.draft_s["head"] = head.step_seconds()
+        return costs
 
     def generate_ids(
         self,

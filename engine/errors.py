@@ -37,3 +37,7 @@ class IncompatibleDraftError(EngineError):
 
 class DemoModelMissingError(EngineError):
     """The built-in demo model package is not installed."""
+
+
+class HeadError(EngineError):
+    """A trained drafter head is missing, corrupt, or made for another target."""

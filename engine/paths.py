@@ -44,3 +44,10 @@ def log_dir() -> Path:
     d = Path(override) / "logs" if override else Path(platformdirs.user_log_dir(APP_NAME, False))
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def heads_dir() -> Path:
+    """Trained drafter heads, one folder per target, keyed by a hash of its weights."""
+    d = app_data_dir() / "heads"
+    d.mkdir(parents=True, exist_ok=True)
+    return d

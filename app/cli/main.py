@@ -22,7 +22,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="model folder, HF repo id in the local HF cache, or 'demo' (default)")
     p.add_argument("--draft", default=None, help="draft model for --drafter model/auto")
     p.add_argument("--drafter", default="none",
-                   choices=["none", "model", "ngram", "layerskip", "auto"],
+                   choices=["none", "model", "ngram", "layerskip", "head", "auto"],
                    help="speculative drafter (default: none = plain decoding)")
     p.add_argument("--k", default="auto", help="draft length: 'auto' (adaptive) or a number")
     p.add_argument("--accept", default="coupled", choices=["coupled", "rejection"],
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     from app.server.run import add_parser as add_serve_parser
 
     add_serve_parser(sub)
+    from app.cli.train import add_parser as add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 
@@ -152,7 +155,9 @@ def _session(args: argparse.Namespace):
     if target.tokenizer.template_warning:
         print(f"warning: {target.tokenizer.template_warning}", file=sys.stderr)
     draft = load_model(args.draft) if args.draft else None
-    return ChatSession(target, draft)
+    from engine.drafters.head_io import head_for_drafter
+
+    return ChatSession(target, draft, head_for_drafter(target, args.drafter))
 
 
 def _stream(session, messages, options, out=sys.stdout) -> Any:
@@ -254,6 +259,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from app.cli.train import run
+
+    return run(args)
+
+
 def cmd_gui(model: str = "demo", *, smoke: bool = False) -> int:
     from app.ui.gui import run_gui
 
@@ -266,6 +277,7 @@ COMMANDS = {
     "import-gguf": cmd_import_gguf,
     "bench": cmd_bench,
     "serve": cmd_serve,
+    "train-drafter": cmd_train_drafter,
 }
 
 

@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from engine.cache import KVCache
 from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.models.taps import Capture, FeatureTaps
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -227,13 +228,17 @@ class Backbone(nn.Module):
         mask: mx.array | str | None = None,
         cache: list[KVCache] | None = None,
         n_layers: int | None = None,
+        capture: Capture | None = None,
     ) -> mx.array:
+        """`capture`: layer index -> filled with that layer's input hidden state (B, L, D)."""
         B, L = inputs.shape
         h = self.embed_tokens(inputs)  # (B, L, D)
         if mask is None and L > 1:
             mask = "causal"
         layers = self.layers if n_layers is None else self.layers[:n_layers]
         for i, layer in enumerate(layers):
+            if capture is not None and i in capture:
+                capture[i] = h
             h = layer(h, mask, cache[i] if cache is not None else None)
         return self.norm(h)
 
@@ -248,6 +253,8 @@ class Model(nn.Module):
         self.model = Backbone(args)
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        # a plain object attribute (not a module child): taps are run-time state, no weights
+        self.feature_taps = FeatureTaps()
 
     @property
     def n_layers(self) -> int:
@@ -259,12 +266,24 @@ class Model(nn.Module):
         mask: mx.array | str | None = None,
         cache: list[KVCache] | None = None,
         n_layers: int | None = None,
+        capture: Capture | None = None,
     ) -> mx.array:
         """Run the first `n_layers` layers (all by default), then the final norm and head.
 
         `n_layers` is how the layer-skip drafter reuses the target's own early layers.
+        `capture` (layer index -> None) is filled with those layers' input hidden states: the
+        trained head's features. A full pass through caches that a `FeatureTap` watches
+        records them there too (the verify pass's side output; no tap, no extra work).
         """
-        h = self.model(inputs, mask, cache, n_layers)
+        tap = None
+        if capture is None and n_layers is None and cache and self.feature_taps:
+            tap = self.feature_taps.find(cache[0])
+            if tap is not None:
+                capture, start = dict.fromkeys(tap.layers), cache[0].offset
+        h = self.model(inputs, mask, cache, n_layers, capture)
+        if tap is not None:
+            assert capture is not None
+            tap.record(start, capture)
         if "lm_head" in self:
             return self.lm_head(h)
         return self.model.embed_tokens.as_linear(h)

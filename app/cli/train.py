@@ -1,0 +1,82 @@
+"""`understudy train-drafter`: train a drafter head for a model, in the background.
+
+The engine does the work (engine/training/job.py); this front end picks the data source
+(reading chat history from the app's store when asked), prints one line per slice worth
+showing, and turns Ctrl-C into a clean stop that still writes a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train-drafter",
+                       help="train a drafter head for a model on this machine (resumable)")
+    p.add_argument("--model", default="demo",
+                   help="model folder, HF repo id in the local HF cache, or 'demo' (default)")
+    p.add_argument("--minutes", type=float, default=60.0,
+                   help="time budget for this run (default 60); run again to continue")
+    p.add_argument("--data", default="builtin",
+                   help="builtin (bundled prompts), history (your chats), or a JSON-lines "
+                   "file of {prompt} / {messages}")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hot-vocab", type=int, default=8192,
+                   help="size of the head's output vocabulary (the most used tokens)")
+    p.add_argument("--max-steps", type=int, default=None, help=argparse.SUPPRESS)
+
+
+def _history() -> tuple[tuple[dict[str, str], ...], ...]:
+    """Every conversation in the app's history, as role/content messages."""
+    from app.store import Store
+
+    store = Store()
+    try:
+        return tuple(
+            tuple({"role": m.role, "content": m.content}
+                  for m in store.messages(c.id, with_steps=False))
+            for c in store.conversations())
+    finally:
+        store.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from engine.drafters.head_io import head_root
+    from engine.loading import load_model
+    from engine.training.fit import FitOptions
+    from engine.training.job import TrainOptions, train_drafter
+
+    target = load_model(args.model)
+    conversations = _history() if args.data == "history" else ()
+    options = TrainOptions(minutes=args.minutes, data=args.data, conversations=conversations,
+                           hot_vocab=args.hot_vocab, max_steps=args.max_steps,
+                           fit=replace(FitOptions(), seed=args.seed))
+    print(f"training a drafter head for {target.name} for up to {args.minutes:g} min "
+          f"(data: {args.data}); folder {head_root(target.path)}", file=sys.stderr)
+    cancel = threading.Event()
+    last = None
+    events = train_drafter(target, options, cancel)
+    while True:
+        try:
+            p = next(events)
+        except StopIteration:
+            break
+        except KeyboardInterrupt:
+            cancel.set()  # finish the slice, write a checkpoint, stop
+            print("stopping after a checkpoint...", file=sys.stderr)
+            continue
+        last = p
+        if p.phase == "data":
+            print(f"data   {p.data_sequences:5d} replies {p.data_tokens:7d} tokens  "
+                  f"{p.elapsed_s:6.0f}s", file=sys.stderr)
+        elif p.phase in ("checkpoint", "done") or p.step % 25 == 0:
+            top1 = f"  held-out top-1 {p.heldout_top1:.3f}" if p.heldout_top1 is not None else ""
+            print(f"{p.phase:<6} step {p.step:6d}  loss {p.loss if p.loss is not None else 0:7.3f}"
+                  f"  tokens {p.tokens_seen:8d}{top1}  {p.elapsed_s:6.0f}s", file=sys.stderr)
+    if last is not None and last.checkpoint:
+        print(f"head saved: {last.checkpoint}")
+    return 0

@@ -1,0 +1,117 @@
+"""Feature taps: the target's hidden states of chosen layers, kept by absolute position.
+
+The trained head (engine/drafters/head.py) drafts from the target's own hidden states at
+the committed positions. Those states are computed anyway by every target pass (prefill,
+plain steps, verification), so a tap records them as a side output of those passes instead
+of paying an extra pass. A tap watches one cache list (a session's target caches, told
+apart by its first cache object), so another session on the same weights (the bench's
+plain run, the app's race) never writes into it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+Capture = dict[int, "mx.array | None"]  # layer index -> its input hidden state (B, L, D)
+
+CONSOLIDATE_AT = 64  # chunks kept before they are joined into one (bounds the list walk)
+
+
+class FeatureTap:
+    """Concatenated hidden states (one row of n_layers * D per position) of one stream.
+
+    A pass that starts at position `start` overwrites every row from `start` on, so rows
+    past a rollback (rejected drafts, an edited conversation) are replaced by the next pass.
+    """
+
+    def __init__(self, layers: Sequence[int], owner: object) -> None:
+        self.layers = tuple(int(i) for i in layers)
+        self.owner = owner
+        self._chunks: list[tuple[int, mx.array]] = []  # (first position, rows (L, F))
+
+    @property
+    def length(self) -> int:
+        """One past the last recorded position."""
+        if not self._chunks:
+            return 0
+        start, rows = self._chunks[-1]
+        return start + rows.shape[0]
+
+    def record(self, start: int, capture: Capture) -> None:
+        """Keep a pass's captured states (batch row 0) for positions start, start+1, ..."""
+        parts = [capture[i] for i in self.layers]
+        if any(p is None for p in parts):
+            raise ValueError(f"capture is missing layers {self.layers}")
+        rows = mx.concatenate([p[0] for p in parts if p is not None], axis=-1)  # (L, F)
+        self.truncate(start)
+        if self.length != start:
+            # a gap: positions before `start` were never recorded (cannot happen through a
+            # session, whose passes are contiguous); start over rather than misalign
+            self._chunks = []
+            if start:
+                return
+        self._chunks.append((start, rows))
+        if len(self._chunks) > CONSOLIDATE_AT:
+            joined = mx.concatenate([r for _, r in self._chunks], axis=0)
+            self._chunks = [(self._chunks[0][0], joined)]
+
+    def truncate(self, length: int) -> None:
+        """Forget rows at positions >= length."""
+        while self._chunks and self._chunks[-1][0] >= length:
+            self._chunks.pop()
+        if self._chunks:
+            s, rows = self._chunks[-1]
+            if s + rows.shape[0] > length:
+                self._chunks[-1] = (s, rows[: length - s])
+
+    def rows(self, start: int, end: int) -> mx.array:
+        """Rows for positions [start, end) as (end - start, F); KeyError if not recorded."""
+        first = self._chunks[0][0] if self._chunks else 0
+        if start < first or end > self.length or start > end:
+            raise KeyError(f"features for positions {start}..{end} not recorded "
+                           f"(have {first}..{self.length})")
+        if start == end:
+            return mx.zeros((0, self._chunks[0][1].shape[-1]) if self._chunks else (0, 0))
+        out = []
+        for s, r in self._chunks:
+            lo, hi = max(start, s), min(end, s + r.shape[0])
+            if lo < hi:
+                out.append(r[lo - s : hi - s])
+        return mx.concatenate(out, axis=0) if len(out) > 1 else out[0]
+
+    def clear(self) -> None:
+        self._chunks = []
+
+
+class FeatureTaps:
+    """The taps attached to one model, held weakly: a tap lives as long as the drafter that
+    owns it, so a dropped session stops recording without being told. A plain object (not
+    a list) so that `nn.Module` keeps it out of the parameter tree."""
+
+    def __init__(self) -> None:
+        self._taps: list[weakref.ref[FeatureTap]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._taps)
+
+    def _live(self) -> list[FeatureTap]:
+        live = [t for r in self._taps if (t := r()) is not None]
+        if len(live) != len(self._taps):
+            self._taps = [weakref.ref(t) for t in live]
+        return live
+
+    def add(self, tap: FeatureTap) -> None:
+        self._taps = [weakref.ref(t) for t in self._live()] + [weakref.ref(tap)]
+
+    def remove(self, tap: FeatureTap) -> None:
+        self._taps = [weakref.ref(t) for t in self._live() if t is not tap]
+
+    def find(self, cache: object) -> FeatureTap | None:
+        """The tap watching the cache list whose first cache is `cache`."""
+        for t in self._live():
+            if t.owner is cache:
+                return t
+        return None

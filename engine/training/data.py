@@ -1,0 +1,283 @@
+"""Training data for the head: the target's own replies, with its features and beliefs.
+
+Each `Sample` is one sequence as the target saw it: token ids, the hidden states of the
+head's chosen layers at every fed position, and the target's next-token distribution there
+(kept as its top-k ids and probabilities, enough for a soft cross-entropy on a hot
+vocabulary). Replies are generated in batches (left-padded rows, one forward for all), and
+the generating passes themselves provide the features and distributions — no second,
+teacher-forced pass. Conversations that already end in an assistant turn (the user's
+history, a file) are read teacher-forced in one pass each.
+
+The engine never reads the app's store: front ends pass conversations in.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import zipfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.cache import make_caches
+from engine.errors import EngineError
+
+TOP_K = 16
+HELDOUT_EVERY = 10  # one item in ten (by a hash of its id) is held out for evaluation
+
+
+@dataclass(frozen=True)
+class Item:
+    """One unit of data: a conversation to reply to, or one to read (teacher_forced)."""
+
+    id: str
+    messages: tuple[dict[str, str], ...]
+    teacher_forced: bool = False
+
+    @property
+    def heldout(self) -> bool:
+        """Held out by the prompt, not the round: no held-out prompt is ever trained on."""
+        base = self.id.rsplit("#r", 1)[0]
+        digest = hashlib.blake2b(base.encode(), digest_size=4).digest()
+        return int.from_bytes(digest, "little") % HELDOUT_EVERY == 0
+
+
+@dataclass
+class Sample:
+    """One sequence: tokens (n+1,) of which the first n were fed; features (n, F) float16;
+    the target's top-k next-token ids/probs at each fed position (n, TOP_K); `start`: the
+    first position whose next token belongs to the reply (loss is taken from there)."""
+
+    id: str
+    tokens: np.ndarray
+    features: np.ndarray
+    top_ids: np.ndarray
+    top_p: np.ndarray
+    start: int
+    heldout: bool
+
+    @property
+    def n_reply(self) -> int:
+        return max(len(self.features) - self.start, 0)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def _check_messages(messages: Any, where: str) -> tuple[dict[str, str], ...]:
+    if not isinstance(messages, list) or not messages or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise EngineError(f"{where}: expected a non-empty list of {{role, content}} messages")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+
+
+def read_items(path: Path, source: str | None = None) -> list[Item]:
+    """JSON lines of {"prompt": text} or {"messages": [...]} (a conversation ending with an
+    assistant turn is read as it is; otherwise the target writes the reply)."""
+    source = source or path.stem
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise EngineError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise EngineError(f"{path}: cannot read ({e})") from None
+    items: list[Item] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise EngineError(f"{path}:{n}: not valid JSON ({e})") from None
+        if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
+            messages = ({"role": "user", "content": row["prompt"]},)
+        elif isinstance(row, dict) and "messages" in row:
+            messages = _check_messages(row["messages"], f"{path}:{n}")
+        else:
+            raise EngineError(f"{path}:{n}: expected {{\"prompt\": text}} or "
+                              f"{{\"messages\": [...]}}")
+        items.append(Item(f"{source}:{row.get('id', n)}", messages,
+                          messages[-1]["role"] == "assistant"))
+    if not items:
+        raise EngineError(f"{path}: no prompts in the file")
+    return items
+
+
+def builtin_items() -> list[Item]:
+    """The shipped prompt set (resources/drafter_prompts.jsonl)."""
+    from importlib.resources import files
+
+    return read_items(Path(str(files("resources") / "drafter_prompts.jsonl")), "builtin")
+
+
+def history_items(conversations: Sequence[Sequence[dict[str, str]]]) -> list[Item]:
+    """Every assistant turn of the user's conversations, read as the target wrote it."""
+    items: list[Item] = []
+    for c, conv in enumerate(conversations):
+        msgs = _check_messages(list(conv), f"history conversation {c}")
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant" and m["content"].strip() and i > 0:
+                items.append(Item(f"history:{c}:{i}", msgs[: i + 1], True))
+    if not items:
+        raise EngineError("history: no assistant replies to learn from (chat first, or use "
+                          "--data builtin)")
+    return items
+
+
+# ----------------------------------------------------------------------------- passes
+
+
+def _topk(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """Top-k ids (…, k) and their probabilities under softmax(logits)."""
+    logits = logits.astype(mx.float32)
+    k = min(k, logits.shape[-1])
+    ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(logits, ids, axis=-1)
+    p = mx.exp(vals - mx.logsumexp(logits, axis=-1, keepdims=True))
+    return ids.astype(mx.int32), p
+
+
+def _pass(model, ids: mx.array, mask: mx.array, caches, layers: Sequence[int]):
+    """One batched forward returning (logits, features (B, L, F))."""
+    capture: dict[int, mx.array | None] = dict.fromkeys(layers)
+    logits = model(ids, mask=mask, cache=caches, capture=capture)
+    feats = mx.concatenate([capture[i] for i in layers], axis=-1)  # type: ignore[misc]
+    return logits, feats
+
+
+def generate_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[int], *,
+                     max_new: int = 192, temperature: float = 0.7, seed: int = 0,
+                     top_k: int = TOP_K) -> list[Sample]:
+    """The target's replies to `items`, generated side by side (left-padded rows)."""
+    prompts = [tokenizer.encode_chat(list(it.messages), add_generation_prompt=True)
+               for it in items]
+    eos = set(tokenizer.eos_token_ids)
+    B, P = len(prompts), max(len(p) for p in prompts)
+    pads = [P - len(p) for p in prompts]
+    total = P + max_new
+    valid = np.zeros((B, total), dtype=bool)
+    for b, pad in enumerate(pads):
+        valid[b, pad:] = True
+    grid = np.zeros((B, P), dtype=np.int32)
+    for b, p in enumerate(prompts):
+        grid[b, pads[b]:] = p
+    caches = make_caches(model.n_layers)
+    # a padded position attends to itself only (an empty row would be NaN); real ones never
+    # see pads, so RoPE's relative positions make each row's results those of its own run
+    causal = np.tril(np.ones((P, P), dtype=bool))
+    mask = (causal[None] & valid[:, None, :P]) | np.eye(P, dtype=bool)[None]
+    logits, feats = _pass(model, mx.array(grid), mx.array(mask[:, None]), caches, layers)
+    key = mx.random.key(seed)
+    feats_rows: list[list[np.ndarray]] = [[] for _ in range(B)]
+    ids_rows: list[list[np.ndarray]] = [[] for _ in range(B)]
+    p_rows: list[list[np.ndarray]] = [[] for _ in range(B)]
+    tokens = [list(p) for p in prompts]
+    done = [False] * B
+    n_new = [0] * B
+
+    def keep(logits: mx.array, feats: mx.array, first: list[int]) -> mx.array:
+        top_ids, top_p = _topk(logits, top_k)
+        last = logits[:, -1].astype(mx.float32)
+        mx.eval(top_ids, top_p, feats, last)
+        f16, ti, tp = (np.array(feats.astype(mx.float16)), np.array(top_ids),
+                       np.array(top_p))
+        for b in range(B):
+            if not done[b]:
+                feats_rows[b].append(f16[b, first[b]:])
+                ids_rows[b].append(ti[b, first[b]:])
+                p_rows[b].append(tp[b, first[b]:])
+        return last
+
+    last = keep(logits, feats, pads)
+    for step in range(max_new):
+        key, sub = mx.random.split(key)
+        if temperature > 0:
+            nxt = mx.random.categorical(last / temperature, axis=-1, key=sub)
+        else:
+            nxt = mx.argmax(last, axis=-1)
+        chosen = [int(t) for t in nxt.tolist()]
+        for b in range(B):
+            if not done[b]:
+                tokens[b].append(chosen[b])
+                n_new[b] += 1
+                if chosen[b] in eos or n_new[b] >= max_new:
+                    done[b] = True
+        if all(done):
+            break
+        S = P + step + 1
+        logits, feats = _pass(model, mx.array(chosen, dtype=mx.int32)[:, None],
+                              mx.array(valid[:, None, None, :S]), caches, layers)
+        last = keep(logits, feats, [0] * B)
+    return [_sample(it, np.array(tokens[b], dtype=np.int32), feats_rows[b], ids_rows[b],
+                    p_rows[b], len(prompts[b]) - 1) for b, it in enumerate(items)]
+
+
+def read_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[int], *,
+                 top_k: int = TOP_K) -> list[Sample]:
+    """Conversations that end with an assistant turn, read teacher-forced (one pass each)."""
+    out = []
+    for it in items:
+        full = tokenizer.encode_chat(list(it.messages), add_generation_prompt=False)
+        prompt = tokenizer.encode_chat(list(it.messages[:-1]), add_generation_prompt=True)
+        if len(full) < 2:
+            continue
+        caches = make_caches(model.n_layers)
+        ids = mx.array([full[:-1]])
+        logits, feats = _pass(model, ids, None, caches, layers)
+        top_ids, top_p = _topk(logits, top_k)
+        mx.eval(top_ids, top_p, feats)
+        start = max(min(len(prompt), len(full) - 1) - 1, 0)
+        out.append(_sample(it, np.array(full, dtype=np.int32),
+                           [np.array(feats[0].astype(mx.float16))], [np.array(top_ids[0])],
+                           [np.array(top_p[0])], start))
+    return out
+
+
+def _sample(item: Item, tokens: np.ndarray, feats: list[np.ndarray], ids: list[np.ndarray],
+            ps: list[np.ndarray], start: int) -> Sample:
+    f = np.concatenate(feats)
+    n = len(f)
+    return Sample(item.id, tokens[: n + 1], f, np.concatenate(ids)[:n],
+                  np.concatenate(ps)[:n].astype(np.float16), start, item.heldout)
+
+
+# ----------------------------------------------------------------------------- shards
+
+
+def save_shard(path: Path, samples: Sequence[Sample]) -> None:
+    """Samples -> one .npz, written under a temporary name and renamed (never half)."""
+    lengths = np.array([len(s.features) for s in samples], dtype=np.int64)
+    meta = json.dumps([{"id": s.id, "start": s.start, "heldout": s.heldout}
+                       for s in samples])
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        np.savez(f, lengths=lengths, meta=np.array(meta),
+                 tokens=np.concatenate([s.tokens for s in samples]),
+                 features=np.concatenate([s.features for s in samples]),
+                 top_ids=np.concatenate([s.top_ids for s in samples]),
+                 top_p=np.concatenate([s.top_p for s in samples]))
+    os.replace(tmp, path)
+
+
+def load_shard(path: Path) -> list[Sample]:
+    """The samples of one shard; a damaged shard is an error naming it."""
+    try:
+        with np.load(path) as z:
+            lengths, meta = z["lengths"], json.loads(str(z["meta"]))
+            tokens, feats, ids, ps = z["tokens"], z["features"], z["top_ids"], z["top_p"]
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise EngineError(f"{path}: damaged training data shard ({e}); delete it") from None
+    out, o, t = [], 0, 0
+    for n, m in zip(lengths.tolist(), meta, strict=True):
+        out.append(Sample(m["id"], tokens[t : t + n + 1], feats[o : o + n], ids[o : o + n],
+                          ps[o : o + n], int(m["start"]), bool(m["heldout"])))
+        o, t = o + n, t + n + 1
+    return out

@@ -1,0 +1,231 @@
+"""Fitting the head: unrolled soft cross-entropy to the target's distributions.
+
+Train as it will be used (EAGLE-3's "training-time test"): step 1 sees the target's
+features at every position j with token x_{j+1} and predicts x_{j+2}; step s feeds the
+head's own output state of step s-1 back with token x_{j+s}, attending to the target rows
+up to j plus its own earlier steps at j (exactly what drafting's cache holds), and predicts
+x_{j+s+1}. The loss at each step is the cross-entropy to the target's next-token
+distribution restricted to the hot vocabulary (renormalized), with later steps weighted
+down. AdamW; batches are drawn from a permutation seeded by (seed, epoch), so training is
+deterministic and a run resumed from a checkpoint continues exactly as it would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from engine.drafters.head import HeadModel
+from engine.training.data import Sample
+
+
+@dataclass(frozen=True)
+class FitOptions:
+    batch_size: int = 4
+    window: int = 256  # positions per training row (longer sequences are cut)
+    unroll: int = 3  # draft steps trained per position
+    step_decay: float = 0.8  # weight of step s is decay**(s-1)
+    learning_rate: float = 1e-3
+    warmup: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Batch:
+    """Padded arrays for one step: features (B, T, F); per unroll step s: input ids (B, T),
+    label hot indices and probabilities (B, T, k), loss mask (B, T); top-1 hot index."""
+
+    features: mx.array
+    ids: list[mx.array]
+    label_ids: list[mx.array]
+    label_p: list[mx.array]
+    mask: list[mx.array]
+    top1: list[mx.array]
+    n_tokens: int
+
+
+def windows(samples: Sequence[Sample], window: int) -> list[tuple[int, int]]:
+    """(sample index, first row) of every training row with at least one reply label."""
+    out = []
+    for i, s in enumerate(samples):
+        n = len(s.features)
+        for a in range(0, max(n - 1, 0), window):
+            if min(a + window, n - 1) > s.start:
+                out.append((i, a))
+    return out
+
+
+def make_batch(samples: Sequence[Sample], picks: Sequence[tuple[int, int]], window: int,
+               unroll: int, lift_index: np.ndarray) -> Batch:
+    """Arrays for the rows `picks`; labels mapped into the hot vocabulary."""
+    Vd = int(lift_index.max())  # the "not hot" marker equals draft_vocab_size
+    T = max(min(window, len(samples[i].features) - a) for i, a in picks)
+    B, F = len(picks), samples[picks[0][0]].features.shape[1]
+    k = samples[picks[0][0]].top_ids.shape[1]
+    feats = np.zeros((B, T, F), dtype=np.float32)
+    ids = np.zeros((unroll, B, T), dtype=np.int32)
+    lab = np.zeros((unroll, B, T, k), dtype=np.int32)
+    lp = np.zeros((unroll, B, T, k), dtype=np.float32)
+    mask = np.zeros((unroll, B, T), dtype=np.float32)
+    top1 = np.full((unroll, B, T), -1, dtype=np.int32)
+    for b, (i, a) in enumerate(picks):
+        s = samples[i]
+        n = len(s.features)
+        rows = min(T, n - a)
+        feats[b, :rows] = s.features[a : a + rows]
+        for st in range(unroll):
+            j = np.arange(a, a + rows)  # chain positions
+            t = j + st + 1  # input token index; label position is t (predicts x_{t+1})
+            ok = t < n  # a label exists (features and distribution at t)
+            tt = np.where(ok, t, 0)
+            ids[st, b, :rows] = np.where(ok, s.tokens[tt], 0)
+            hot = lift_index[s.top_ids[tt]]  # (rows, k); Vd = not hot
+            p = np.where(hot < Vd, s.top_p[tt].astype(np.float32), 0.0)
+            mass = p.sum(-1)
+            use = ok & (t >= s.start) & (mass > 0)
+            lab[st, b, :rows] = np.where(hot < Vd, hot, 0)
+            lp[st, b, :rows] = p / np.maximum(mass, 1e-9)[:, None]
+            mask[st, b, :rows] = use
+            best = np.argmax(s.top_p[tt].astype(np.float32), axis=-1)
+            top1_hot = hot[np.arange(rows), best]
+            top1[st, b, :rows] = np.where(top1_hot < Vd, top1_hot, -1)
+    return Batch(mx.array(feats), [mx.array(x) for x in ids], [mx.array(x) for x in lab],
+                 [mx.array(x) for x in lp], [mx.array(x) for x in mask],
+                 [mx.array(x) for x in top1], int(mask[0].sum()))
+
+
+class UnrollCache:
+    """The keys/values of every unrolled step so far, concatenated; `offset` is set by the
+    caller to the step's RoPE shift (step s's row j sits at position j + s - 1)."""
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self._k: list[mx.array] = []
+        self._v: list[mx.array] = []
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._k.append(keys)
+        self._v.append(values)
+        return mx.concatenate(self._k, axis=2), mx.concatenate(self._v, axis=2)
+
+    def trim(self, length: int) -> None:
+        raise NotImplementedError("an unroll cache is built once per batch")
+
+    def compact(self, start: int, keep: Sequence[int]) -> None:
+        raise NotImplementedError("an unroll cache is built once per batch")
+
+
+def unroll_mask(T: int, step: int) -> mx.array:
+    """(T, T * (step + 1)): causal over the target rows, then each earlier step's own row."""
+    causal = mx.tril(mx.ones((T, T), dtype=mx.bool_))
+    eye = mx.eye(T, dtype=mx.bool_)
+    return mx.concatenate([causal] + [eye] * step, axis=1)
+
+
+def unrolled_outputs(head: HeadModel, batch: Batch, unroll: int) -> list[mx.array]:
+    """Hot-vocabulary logits (B, T, Vd) of each unrolled step."""
+    hidden = head.fuse(batch.features)
+    T = hidden.shape[1]
+    cache = UnrollCache()
+    out = []
+    for s in range(unroll):
+        cache.offset = s
+        hidden = head(hidden, batch.ids[s], mask=unroll_mask(T, s), cache=cache)
+        out.append(head.logits(hidden))
+    return out
+
+
+def loss_fn(head: HeadModel, batch: Batch, unroll: int, decay: float) -> mx.array:
+    total = mx.array(0.0)
+    for s, logits in enumerate(unrolled_outputs(head, batch, unroll)):
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        ce = -mx.sum(batch.label_p[s] * mx.take_along_axis(logp, batch.label_ids[s], -1), -1)
+        m = batch.mask[s]
+        total = total + (decay**s) * mx.sum(ce * m) / mx.maximum(mx.sum(m), 1.0)
+    return total
+
+
+def top1_agreement(head: HeadModel, batch: Batch, unroll: int) -> list[tuple[int, int]]:
+    """Per step: (positions where the head's top token is the target's, positions counted)."""
+    out = []
+    for s, logits in enumerate(unrolled_outputs(head, batch, unroll)):
+        guess = mx.argmax(logits, axis=-1)
+        m = batch.mask[s] > 0
+        hit = mx.sum((guess == batch.top1[s]) & m)
+        out.append((int(hit.item()), int(mx.sum(m).item())))
+    return out
+
+
+class Trainer:
+    """AdamW over the head's parameters, with a deterministic batch order."""
+
+    def __init__(self, head: HeadModel, samples: Sequence[Sample], options: FitOptions) -> None:
+        self.head = head
+        self.options = options
+        self.samples = list(samples)
+        self.rows = windows(self.samples, options.window)
+        if not self.rows:
+            raise ValueError("no training rows: every sample is empty")
+        self.lift = np.array(head.lift_index)
+        o = options
+        schedule = optim.join_schedules(
+            [optim.linear_schedule(o.learning_rate / 20, o.learning_rate, max(o.warmup, 1)),
+             lambda _: o.learning_rate], [max(o.warmup, 1)])
+        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=o.weight_decay)
+        self.optimizer.init(head.trainable_parameters())
+        self.step = 0
+        self.tokens_seen = 0
+        self._grad = nn.value_and_grad(head, loss_fn)
+
+    def picks(self, step: int) -> list[tuple[int, int]]:
+        """The rows of batch `step` (a function of the seed and the step alone)."""
+        n, bs = len(self.rows), self.options.batch_size
+        per_epoch = max(n // bs, 1)
+        epoch, k = divmod(step, per_epoch)
+        order = np.random.default_rng([self.options.seed, epoch]).permutation(n)
+        chosen = order[k * bs : k * bs + bs] if n >= bs else order
+        return [self.rows[i] for i in chosen]
+
+    def train_step(self) -> float:
+        o = self.options
+        batch = make_batch(self.samples, self.picks(self.step), o.window, o.unroll, self.lift)
+        loss, grads = self._grad(self.head, batch, o.unroll, o.step_decay)
+        grads, _ = optim.clip_grad_norm(grads, o.grad_clip)
+        self.optimizer.update(self.head, grads)
+        mx.eval(self.head.parameters(), self.optimizer.state, loss)
+        self.step += 1
+        self.tokens_seen += batch.n_tokens
+        return float(loss.item())
+
+    def optimizer_state(self) -> dict[str, mx.array]:
+        return dict(tree_flatten(self.optimizer.state))
+
+    def restore(self, state: dict[str, mx.array], step: int, tokens_seen: int) -> None:
+        """Continue from a checkpoint: optimizer moments, step counter, tokens seen."""
+        self.optimizer.state = tree_unflatten(list(state.items()))
+        self.step, self.tokens_seen = step, tokens_seen
+
+
+def evaluate(head: HeadModel, samples: Sequence[Sample], unroll: int, window: int = 256,
+             max_rows: int = 64) -> list[float]:
+    """Held-out top-1 agreement of each unrolled step with the target's own top token."""
+    rows = windows(samples, window)[:max_rows]
+    if not rows:
+        return []
+    lift = np.array(head.lift_index)
+    hits = [0] * unroll
+    counts = [0] * unroll
+    for a in range(0, len(rows), 4):
+        batch = make_batch(samples, rows[a : a + 4], window, unroll, lift)
+        for s, (h, c) in enumerate(top1_agreement(head, batch, unroll)):
+            hits[s] += h
+            counts[s] += c
+    return [h / c if c else 0.0 for h, c in zip(hits, counts, strict=True)]

@@ -1,0 +1,257 @@
+"""`train_drafter`: the whole background job, as a generator of short slices.
+
+Phases: *data* (the target's replies to prompts, generated in batches and saved as shards
+in the head's folder, so a later run continues where this one stopped), then *train*
+(the fit loop, with a checkpoint — a complete, usable head — every so often and at the
+end, each scored on held-out sequences). Every `next()` does one slice of work (one batch
+of replies, one optimizer step) and yields a `TrainProgress`, so a front end can pause the
+job between slices (the app does while a reply is generated), stop it with `cancel`, or
+bound it with `minutes`. A stopped job resumes from its newest checkpoint and data.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from engine.drafters.head import HeadConfig, HeadModel, default_layers
+from engine.drafters.head_io import (
+    current_checkpoint,
+    head_root,
+    load_head,
+    publish_checkpoint,
+    read_record,
+    weights_key,
+    write_head,
+)
+from engine.errors import EngineError
+from engine.training.data import (
+    Item,
+    Sample,
+    builtin_items,
+    generate_samples,
+    history_items,
+    load_shard,
+    read_items,
+    read_samples,
+    save_shard,
+)
+from engine.training.fit import FitOptions, Trainer, evaluate
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+TRAINER_FILE = "trainer.json"
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """What to learn from and for how long."""
+
+    minutes: float = 60.0
+    data: str = "builtin"  # builtin | history | a JSON-lines file
+    conversations: tuple[tuple[dict[str, str], ...], ...] = ()  # for data="history"
+    rounds: int = 4  # replies per prompt (each round samples with another seed)
+    gen_batch: int = 16
+    max_new: int = 192
+    temperature: float = 0.7
+    data_share: float = 0.4  # of the time, at most, spent making data once some exists
+    hot_vocab: int = 8192
+    checkpoint_every: int = 100  # steps
+    max_steps: int | None = None
+    fit: FitOptions = field(default_factory=FitOptions)
+
+
+@dataclass(frozen=True)
+class TrainProgress:
+    """One slice's report: phase, data made, steps, loss, held-out top-1 agreement."""
+
+    phase: str  # "data" | "train" | "checkpoint" | "done"
+    data_sequences: int
+    data_tokens: int
+    step: int
+    tokens_seen: int
+    loss: float | None
+    heldout_top1: float | None
+    elapsed_s: float
+    fraction: float  # of the time budget used
+    checkpoint: str | None = None
+
+
+def resolve_items(options: TrainOptions) -> list[Item]:
+    """The data source's items, each round with its own id (and seed)."""
+    if options.data == "builtin":
+        base = builtin_items()
+    elif options.data == "history":
+        base = history_items(options.conversations)
+    else:
+        base = read_items(Path(options.data))
+    rounds = 1 if options.data == "history" else max(options.rounds, 1)
+    return [Item(f"{it.id}#r{r}", it.messages, it.teacher_forced)
+            for r in range(rounds) for it in base]
+
+
+def choose_hot_ids(samples: Sequence[Sample], vocab_size: int, limit: int) -> np.ndarray:
+    """The target ids the replies use most (weighted by the target's probabilities), at
+    most `limit`, sorted; every id seen at all if fewer."""
+    counts = np.zeros(vocab_size, dtype=np.float64)
+    for s in samples:
+        rows = slice(s.start, None)
+        np.add.at(counts, s.top_ids[rows].reshape(-1), s.top_p[rows].astype(np.float64).ravel())
+        np.add.at(counts, s.tokens[s.start + 1 :], 1.0)
+    seen = np.flatnonzero(counts > 0)
+    if len(seen) > limit:
+        seen = np.sort(np.argsort(-counts, kind="stable")[:limit])
+    if len(seen) == 0:
+        raise EngineError("no reply tokens in the training data")
+    return seen.astype(np.int64)
+
+
+def init_head(model, hot: np.ndarray, layers: Sequence[int] | None, seed: int) -> HeadModel:
+    """A fresh head for a decoder `model`; its output layer and final norm start as the
+    target's own (restricted to the hot tokens), so it begins in the target's output space."""
+    config = HeadConfig.for_target(model.args, len(hot), layers)
+    mx.random.seed(seed)
+    head = HeadModel(config, hot, model.model.embed_tokens)
+    out = model.lm_head.weight if "lm_head" in model else model.model.embed_tokens.weight
+    head.lm_head.weight = out[mx.array(hot.astype(np.int32))]
+    head.norm.weight = mx.array(model.model.norm.weight)
+    mx.eval(head.parameters())
+    return head
+
+
+def _load_data(data_dir: Path) -> list[Sample]:
+    samples: list[Sample] = []
+    for shard in sorted(data_dir.glob("shard-*.npz")):
+        samples.extend(load_shard(shard))
+    return samples
+
+
+def _record(target, options: TrainOptions, trainer: Trainer, data_tokens: int,
+            n_seq: int, top1: list[float], history: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "target": target.name, "target_key": weights_key(target.path),
+        "data": options.data, "data_sequences": n_seq, "data_tokens": data_tokens,
+        "steps": trainer.step, "tokens_seen": trainer.tokens_seen,
+        "heldout_top1": top1, "history": history,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def train_drafter(target, options: TrainOptions | None = None,
+                  cancel: threading.Event | None = None,
+                  root: Path | None = None) -> Iterator[TrainProgress]:
+    """Make data, then train, until `minutes`, `max_steps` or `cancel`; see module doc.
+
+    `target` is a `LoadedModel`; every MLX call happens on the caller's thread.
+    """
+    options = options or TrainOptions()
+    if options.minutes <= 0:
+        raise EngineError(f"--minutes must be positive, got {options.minutes}")
+    model = target.model
+    root = root or head_root(target.path)
+    data_dir = root / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    budget = options.minutes * 60.0
+
+    def elapsed() -> float:
+        return time.perf_counter() - t0
+
+    def stopped() -> bool:
+        return (cancel is not None and cancel.is_set()) or elapsed() >= budget
+
+    ckpt = current_checkpoint(root)
+    head = load_head(ckpt, model) if ckpt is not None else None
+    layers = head.config.aux_layers if head else default_layers(model.n_layers)
+    items = resolve_items(options)
+    samples = _load_data(data_dir)
+    done = {s.id for s in samples}
+    pending = [it for it in items if it.id not in done]
+    n_shard = len(list(data_dir.glob("shard-*.npz")))
+
+    def data_stats() -> tuple[int, int]:
+        return len(samples), sum(s.n_reply for s in samples if not s.heldout)
+
+    # ---- data: at least one batch, then while the data share of the time lasts
+    while pending and not (cancel is not None and cancel.is_set()):
+        if samples and elapsed() >= budget * options.data_share:
+            break
+        batch, pending = pending[: options.gen_batch], pending[options.gen_batch :]
+        r = int(batch[0].id.rsplit("#r", 1)[-1]) if "#r" in batch[0].id else 0
+        forced = [it for it in batch if it.teacher_forced]
+        fresh = [it for it in batch if not it.teacher_forced]
+        made = read_samples(model, target.tokenizer, forced, layers) if forced else []
+        if fresh:
+            made += generate_samples(model, target.tokenizer, fresh, layers,
+                                     max_new=options.max_new,
+                                     temperature=options.temperature,
+                                     seed=options.fit.seed * 1000 + r * 100 + n_shard)
+        save_shard(data_dir / f"shard-{n_shard:05d}.npz", made)
+        n_shard += 1
+        samples.extend(made)
+        n_seq, n_tok = data_stats()
+        yield TrainProgress("data", n_seq, n_tok, 0, 0, None, None, elapsed(),
+                            min(elapsed() / budget, 1.0))
+
+    train = [s for s in samples if not s.heldout and s.n_reply > 0]
+    heldout = [s for s in samples if s.heldout and s.n_reply > 0]
+    if not train:
+        raise EngineError("no training data yet: run again with more --minutes")
+    if head is None:
+        hot = choose_hot_ids(train, model.args.vocab_size, options.hot_vocab)
+        head = init_head(model, hot, layers, options.fit.seed)
+    trainer = Trainer(head, train, options.fit)
+    record = read_record(ckpt) if ckpt is not None else None
+    history: list[dict[str, Any]] = list((record or {}).get("history", []))
+    if ckpt is not None:
+        state = json.loads((ckpt / TRAINER_FILE).read_text())
+        opt = mx.load(str(ckpt / OPTIMIZER_FILE))
+        assert isinstance(opt, dict)
+        trainer.restore(opt, int(state["step"]), int(state["tokens_seen"]))
+    n_seq, n_tok = data_stats()
+    top1: list[float] = list((record or {}).get("heldout_top1", []))
+
+    saved: list[Path] = [ckpt] if ckpt is not None else []
+
+    def checkpoint() -> Path:
+        nonlocal top1
+        top1 = evaluate(head, heldout, options.fit.unroll, options.fit.window)
+        history.append({"step": trainer.step, "tokens_seen": trainer.tokens_seen,
+                        "data_tokens": n_tok, "heldout_top1": top1})
+        name = f"ckpt-{trainer.step:07d}"
+        staged = root / f".{name}.tmp"
+        write_head(head, staged, _record(target, options, trainer, n_tok, n_seq, top1,
+                                         history))
+        mx.save_safetensors(str(staged / OPTIMIZER_FILE), trainer.optimizer_state())
+        (staged / TRAINER_FILE).write_text(json.dumps(
+            {"step": trainer.step, "tokens_seen": trainer.tokens_seen,
+             "fit": asdict(options.fit)}))
+        saved.append(publish_checkpoint(root, staged, name))
+        return saved[-1]
+
+    # ---- train
+    start_step = trainer.step
+    loss = None
+    while not stopped() and (options.max_steps is None or trainer.step < options.max_steps):
+        loss = trainer.train_step()
+        phase = "train"
+        where = None
+        if (trainer.step - start_step) % options.checkpoint_every == 0:
+            where = str(checkpoint())
+            phase = "checkpoint"
+        yield TrainProgress(phase, n_seq, n_tok, trainer.step, trainer.tokens_seen, loss,
+                            top1[0] if top1 else None, elapsed(),
+                            min(elapsed() / budget, 1.0), where)
+    fresh = saved and saved[-1].name == f"ckpt-{trainer.step:07d}"
+    where = str(saved[-1] if fresh else checkpoint())
+    yield TrainProgress("done", n_seq, n_tok, trainer.step, trainer.tokens_seen, loss,
+                        top1[0] if top1 else None, elapsed(), min(elapsed() / budget, 1.0),
+                        where)

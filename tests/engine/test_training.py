@@ -1,0 +1,257 @@
+"""Training the head: data from the target's own passes, the unrolled loss, checkpoints.
+
+Tiny random targets keep every test to seconds. The batched reply generator must produce
+each row exactly as a lone run would (left padding is invisible); the unrolled training
+forward must compute exactly what drafting computes (train as used); the loss must fall
+on a fixed batch; a cancelled job must resume to the very weights of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from engine.cache import PreallocatedKVCache
+from engine.decode import ChatSession, GenerateOptions
+from engine.drafters.head_io import current_checkpoint, load_head
+from engine.errors import EngineError
+from engine.loading import LoadedModel, load_model
+from engine.training.data import (
+    Item,
+    builtin_items,
+    generate_samples,
+    history_items,
+    load_shard,
+    read_items,
+    read_samples,
+    save_shard,
+)
+from engine.training.fit import (
+    FitOptions,
+    Trainer,
+    loss_fn,
+    make_batch,
+    unrolled_outputs,
+    windows,
+)
+from engine.training.job import TrainOptions, choose_hot_ids, init_head, train_drafter
+from tests.fixtures.tiny_models import write_tiny_model
+
+LAYERS = (2, 2, 1)
+PROMPTS = ("Hello world! The quick brown fox", "What is the capital of France?",
+           "def add(a, b):\n    return a + b", "The cat sat on the mat.")
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    path = write_tiny_model(tmp_path_factory.mktemp("train") / "t", num_hidden_layers=4, seed=1)
+    return load_model(str(path))
+
+
+def items(prompts=PROMPTS) -> list[Item]:
+    return [Item(f"t:{i}", ({"role": "user", "content": p},)) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def samples(target: LoadedModel):
+    return generate_samples(target.model, target.tokenizer, items(), LAYERS, max_new=20,
+                            temperature=0.0)
+
+
+def test_builtin_prompts_are_many_and_varied() -> None:
+    rows = [json.loads(line) for line in
+            Path("resources/drafter_prompts.jsonl").read_text().splitlines()]
+    assert len(rows) >= 300
+    assert {r["category"] for r in rows} >= {"chat", "advice", "explanation", "writing", "code"}
+    assert len({r["prompt"] for r in rows}) == len(rows)
+    got = builtin_items()
+    assert len(got) == len(rows) and not any(it.teacher_forced for it in got)
+    held = sum(it.heldout for it in got)
+    assert 10 <= held <= 60  # about one in ten, chosen by prompt
+
+
+def test_batched_generation_matches_each_reply_alone(target: LoadedModel, samples) -> None:
+    """Left-padded rows decode exactly as a plain greedy reply to each prompt."""
+    session = ChatSession(target)
+    for it, s in zip(items(), samples, strict=True):
+        fin = list(session.generate(list(it.messages), GenerateOptions(max_tokens=20)))[-1]
+        prompt = target.tokenizer.encode_chat(list(it.messages))
+        assert s.start == len(prompt) - 1
+        assert s.tokens[: len(prompt)].tolist() == prompt
+        assert s.tokens[len(prompt):].tolist() == list(fin.token_ids)[: len(s.tokens) - len(prompt)]
+
+
+def test_generated_features_and_labels_are_the_teacher_forced_ones(target: LoadedModel,
+                                                                   samples) -> None:
+    s = samples[0]
+    capture: dict = dict.fromkeys(LAYERS)
+    logits = target.model(mx.array([s.tokens[:-1].tolist()]), capture=capture)[0]
+    want = np.array(mx.concatenate([capture[i][0] for i in LAYERS], axis=-1))
+    assert s.features.shape == want.shape
+    assert np.allclose(s.features.astype(np.float32), want, atol=2e-2, rtol=1e-2)
+    p = np.array(mx.softmax(logits.astype(mx.float32), axis=-1))
+    top = np.argmax(p, axis=-1)
+    assert np.array_equal(s.top_ids[np.arange(len(top)), np.argmax(s.top_p, -1)], top)
+    rows = np.arange(len(top))[:, None]
+    assert np.allclose(s.top_p.astype(np.float32), p[rows, s.top_ids], atol=2e-3)
+
+
+def test_history_is_read_teacher_forced(target: LoadedModel) -> None:
+    conv = [{"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello! The quick brown fox."}]
+    got = history_items([conv, [{"role": "user", "content": "only a question"}]])
+    assert [it.id for it in got] == ["history:0:1"] and got[0].teacher_forced
+    (s,) = read_samples(target.model, target.tokenizer, got, LAYERS)
+    full = target.tokenizer.encode_chat(conv, add_generation_prompt=False)
+    prompt = target.tokenizer.encode_chat(conv[:1])
+    assert s.tokens.tolist() == full and s.start == len(prompt) - 1
+    assert len(s.features) == len(full) - 1
+    with pytest.raises(EngineError, match="history: no assistant replies"):
+        history_items([[{"role": "user", "content": "hi"}]])
+
+
+def test_data_file_errors_name_the_line(tmp_path: Path) -> None:
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "hi"}\n{"nope": 1}\n')
+    with pytest.raises(EngineError, match=r"p.jsonl:2: expected"):
+        read_items(f)
+    f.write_text('{"prompt": "hi"}\nnot json\n')
+    with pytest.raises(EngineError, match=r"p.jsonl:2: not valid JSON"):
+        read_items(f)
+    with pytest.raises(EngineError, match="no such file"):
+        read_items(tmp_path / "missing.jsonl")
+
+
+def test_shards_round_trip_and_damage_is_named(samples, tmp_path: Path) -> None:
+    path = tmp_path / "shard-00000.npz"
+    save_shard(path, samples)
+    again = load_shard(path)
+    assert [s.id for s in again] == [s.id for s in samples]
+    for a, b in zip(samples, again, strict=True):
+        assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.features, b.features)
+        assert a.start == b.start and a.heldout == b.heldout
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(EngineError, match="shard-00000.npz: damaged"):
+        load_shard(path)
+
+
+def test_hot_ids_are_the_most_used(samples, target: LoadedModel) -> None:
+    V = target.model.args.vocab_size
+    every = choose_hot_ids(samples, V, 10_000)
+    few = choose_hot_ids(samples, V, 8)
+    assert len(few) == 8 and np.all(np.diff(few) > 0) and set(few) <= set(every)
+    reply = np.concatenate([s.tokens[s.start + 1:] for s in samples])
+    assert set(reply.tolist()) <= set(every.tolist())
+
+
+def test_unrolled_training_computes_what_drafting_computes(target: LoadedModel,
+                                                           samples) -> None:
+    """Step 2 of the unrolled forward at chain j equals drafting from position j: the
+    head's cache holds target rows 0..j, then its own output state is fed back."""
+    V = target.model.args.vocab_size
+    head = init_head(target.model, choose_hot_ids(samples, V, 10_000), LAYERS, 0)
+    s = samples[0]
+    batch = make_batch([s], [(0, 0)], 64, 2, np.array(head.lift_index))
+    step1, step2 = unrolled_outputs(head, batch, 2)
+    j = s.start + 2
+    cache = PreallocatedKVCache()
+    feats = mx.array(s.features[: j + 1].astype(np.float32))[None]
+    out = head(head.fuse(feats), mx.array([s.tokens[1 : j + 2].tolist()]), cache=cache)
+    assert mx.allclose(head.logits(out[:, -1]), step1[:, j], atol=1e-4)
+    out2 = head(out[:, -1:], mx.array([[int(s.tokens[j + 2])]]), cache=cache)
+    assert mx.allclose(head.logits(out2[:, -1]), step2[:, j], atol=1e-4)
+
+
+def test_loss_falls_on_a_fixed_batch(target: LoadedModel, samples) -> None:
+    V = target.model.args.vocab_size
+    head = init_head(target.model, choose_hot_ids(samples, V, 10_000), LAYERS, 0)
+    trainer = Trainer(head, samples, FitOptions(batch_size=4, window=64, warmup=1,
+                                                learning_rate=3e-3))
+    fixed = trainer.rows[:4]
+    trainer.picks = lambda step: fixed  # type: ignore[method-assign]
+    batch = make_batch(samples, fixed, 64, 3, trainer.lift)
+    before = float(loss_fn(head, batch, 3, 0.8).item())
+    for _ in range(30):
+        trainer.train_step()
+    after = float(loss_fn(head, batch, 3, 0.8).item())
+    assert after < 0.5 * before, (before, after)
+    # negative control: the same number of steps at learning rate 0 leaves it unchanged
+    head0 = init_head(target.model, choose_hot_ids(samples, V, 10_000), LAYERS, 0)
+    still = Trainer(head0, samples, FitOptions(batch_size=4, window=64, warmup=1,
+                                               learning_rate=0.0, weight_decay=0.0))
+    still.picks = lambda step: fixed  # type: ignore[method-assign]
+    for _ in range(3):
+        still.train_step()
+    assert float(loss_fn(head0, batch, 3, 0.8).item()) == pytest.approx(before, rel=1e-5)
+
+
+def test_windows_cover_reply_labels_only(samples) -> None:
+    rows = windows(samples, 8)
+    for i, a in rows:
+        assert a + 8 > samples[i].start  # every row has at least one reply label
+
+
+def _options(max_steps: int) -> TrainOptions:
+    return TrainOptions(minutes=5, rounds=1, gen_batch=8, max_new=16, max_steps=max_steps,
+                        checkpoint_every=2, data_share=0.0,
+                        fit=FitOptions(batch_size=2, window=32))
+
+
+def _weights(root: Path, target: LoadedModel) -> dict[str, np.ndarray]:
+    folder = current_checkpoint(root)
+    assert folder is not None
+    head = load_head(folder, target.model)
+    return {k: np.array(v) for k, v in tree_flatten(head.parameters())}
+
+
+def test_cancelled_training_resumes_to_the_same_weights(target: LoadedModel,
+                                                        tmp_path: Path) -> None:
+    whole = tmp_path / "whole"
+    events = list(train_drafter(target, _options(6), root=whole))
+    assert events[-1].phase == "done" and events[-1].step == 6
+    assert [e.step for e in events if e.phase == "checkpoint"] == [2, 4, 6]
+    # the same data, trained in two runs with a cancel in between
+    parts = tmp_path / "parts"
+    parts.mkdir()
+    shutil.copytree(whole / "data", parts / "data")
+    cancel = threading.Event()
+    first = []
+    for e in train_drafter(target, _options(6), cancel, root=parts):
+        first.append(e)
+        if e.step == 3:
+            cancel.set()
+    assert first[-1].phase == "done" and first[-1].step == 3
+    assert current_checkpoint(parts).name == "ckpt-0000003"
+    rest = list(train_drafter(target, _options(6), root=parts))
+    assert rest[0].step == 4 and rest[-1].step == 6
+    a, b = _weights(whole, target), _weights(parts, target)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert np.array_equal(a[k], b[k]), k
+    record = json.loads((current_checkpoint(parts) / "training.json").read_text())
+    assert record["steps"] == 6 and record["data"] == "builtin"
+    assert [h["step"] for h in record["history"]] == [2, 3, 5, 6]
+
+
+def test_checkpoints_never_leave_a_half_written_head(target: LoadedModel,
+                                                     tmp_path: Path) -> None:
+    root = tmp_path / "r"
+    list(train_drafter(target, _options(2), root=root))
+    names = sorted(p.name for p in root.iterdir())
+    assert names == ["ckpt-0000002", "current.json", "data"]
+    assert not list(root.rglob(".*.tmp"))
+    assert sorted(p.name for p in (root / "ckpt-0000002").iterdir()) == [
+        "config.json", "model.safetensors", "optimizer.safetensors", "trainer.json",
+        "training.json"]
+
+
+def test_time_budget_must_be_positive(target: LoadedModel) -> None:
+    with pytest.raises(EngineError, match="--minutes must be positive"):
+        next(train_drafter(target, TrainOptions(minutes=0)))
