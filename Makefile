@@ -6,8 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 UNAME := $(shell uname -s)
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
-# Debian/Ubuntu packages: the fast BLAS for MLX's CPU backend, and what Qt's xcb plugin needs.
-APT_PACKAGES := libopenblas0-pthread libxcb-cursor0 libxkbcommon-x11-0 libxcb-icccm4 \
+# Debian/Ubuntu packages: the fast BLAS for MLX's CPU backend, what Qt's xcb plugin needs,
+# and clang (tests/kernels check the Metal kernels' generated source with clang++).
+APT_PACKAGES := libopenblas0-pthread clang libxcb-cursor0 libxkbcommon-x11-0 libxcb-icccm4 \
 	libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 \
 	libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libfontconfig1 libdbus-1-3
 ifeq ($(shell id -u),0)
