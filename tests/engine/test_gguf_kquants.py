@@ -233,3 +233,42 @@ def test_rows_that_do_not_fill_blocks_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelFormatError, match=r"tensor 'blk\.1\.ffn_up\.weight': rows of 320 "
                                                r"values do not divide into Q4_K blocks of 256"):
         import_gguf(src, tmp_path / "out", backend="cpu")
+
+
+@pytest.mark.slow
+def test_demo_reencoded_in_a_type_mx_load_cannot_read_still_answers(
+        demo_gguf_path: Path, tmp_path: Path) -> None:
+    """The real model through the gguf-reader path: SmolLM2's layer matrices re-encoded as
+    Q5_0 (which mx.load refuses) import, q/k rows un-permuted, and still say " Paris".
+
+    (The first answer token, "The", leads "L" by 0.09 logits in the Q4_1 file; re-encoding
+    noise may flip it, so only the clear " Paris", 4.6 logits ahead, is asserted.)"""
+    from engine.loading import load_model
+
+    src = tmp_path / "SmolLM2-135M-Instruct.Q5_0.gguf"
+    reader = gguf.GGUFReader(demo_gguf_path)
+    w = gguf.GGUFWriter(str(src), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and len(t.shape) == 2:
+            x = gguf.quants.dequantize(t.data, t.tensor_type).reshape(t.shape[::-1].tolist())
+            w.add_tensor(t.name, gguf.quants.quantize(x, Q.Q5_0), raw_dtype=Q.Q5_0)
+        elif t.tensor_type == Q.F32:
+            w.add_tensor(t.name, np.asarray(t.data))
+        else:  # the Q8_0 embedding as stored
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+    loaded = load_model(import_gguf(src, tmp_path / "q5", backend="cpu"), backend="cpu")
+    tok = loaded.tokenizer
+    prompt_ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    answer_ids = tok.encode("The capital of France is")
+    logits = loaded.model(mx.array([prompt_ids + answer_ids]))[0, -1]
+    assert tok.decode([int(mx.argmax(logits).item())]) == " Paris"
