@@ -144,6 +144,8 @@ def _read_with_gguf(src: Path) -> tuple[dict[str, TensorSource], dict[str, Any]]
         reader = _CheckedReader(src)
     except EngineError:
         raise
+    except OSError as e:
+        raise ModelFormatError(f"{src}: cannot read ({e.strerror or e})") from e
     except Exception as e:  # numpy/struct errors inside the header: a damaged file
         raise ModelFormatError(
             f"{src}: truncated or corrupt GGUF file ({type(e).__name__}: {e}); "
