@@ -421,6 +421,10 @@ def load_model(
                                  on_progress=on_progress)
     tokenizer = Tokenizer.from_folder(folder)
     n_params, n_bytes = weight_stats(model)
+    if backend == "metal":  # use exactly the kernels `understudy doctor` allowed here
+        from engine.doctor import apply_saved_verdicts  # doctor imports this module
+
+        apply_saved_verdicts()
     return LoadedModel(
         model=model, tokenizer=tokenizer, path=folder, config=config,
         name=_display_name(spec, folder), backend=backend, n_params=n_params,

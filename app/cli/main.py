@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also time mlx-lm's plain decoding of the same model (if installed)")
     bench.add_argument("--json", type=Path, default=None, help="write the report here")
 
+    doctor = sub.add_parser("doctor", help="check this machine: backend, BLAS, Metal kernels")
+    doctor.add_argument("--recheck", action="store_true",
+                        help="test the kernels again (even ones that failed on this setup)")
+
     try:
         from app.cli import models as models_cli
     except ImportError:
@@ -265,6 +269,13 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from engine.doctor import run_doctor
+
+    print("\n".join(run_doctor(recheck=args.recheck).lines()))
+    return 0
+
+
 def cmd_gui(model: str = "demo", *, smoke: bool = False) -> int:
     from app.ui.gui import run_gui
 
@@ -278,6 +289,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "serve": cmd_serve,
     "train-drafter": cmd_train_drafter,
+    "doctor": cmd_doctor,
 }
 
 

@@ -1,0 +1,210 @@
+"""`understudy doctor`: what this machine runs, and which kernels it may use.
+
+On a Mac it runs every kernel against its reference on the GPU and times it
+(`kernels.selftest`), then records the verdict per device and MLX version in the app-data
+dir (`kernel_verdicts.json`). A kernel is used only after it passed there (and was faster);
+a kernel that failed stays off on that setup — the reason is shown on every later run — until
+MLX or the device changes, or `--recheck` asks again. Elsewhere it reports the backend, the
+BLAS MLX's CPU backend is using and the speed it measures, and that the references are in
+use. No Qt: the CLI and the app's Diagnostics pane both show `DoctorReport.lines()`.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+
+from engine.loading import default_backend
+from engine.paths import app_data_dir
+from kernels import dispatch, selftest
+from kernels.selftest import KernelVerdict
+
+VERDICTS_FILE = "kernel_verdicts.json"
+
+
+@dataclass(frozen=True)
+class BlasInfo:
+    """The BLAS behind MLX's CPU matmuls and its measured float32 speed."""
+
+    name: str
+    path: str | None
+    gflops: float
+
+
+@dataclass
+class DoctorReport:
+    backend: str
+    device: str
+    mlx_version: str
+    blas: BlasInfo | None
+    verdicts: list[KernelVerdict] = field(default_factory=list)
+    from_store: bool = False  # verdicts were recorded earlier, not measured now
+    active: dict[str, object] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        """The report as plain text lines (the CLI prints them; the app shows them)."""
+        out = [f"backend: {self.backend} ({self.device}), MLX {self.mlx_version}"]
+        if self.blas is not None:
+            where = f" ({self.blas.path})" if self.blas.path else ""
+            out.append(f"BLAS: {self.blas.name}{where}: {self.blas.gflops:.1f} GFLOP/s "
+                       "(float32 512x512 matmul)")
+        if self.backend != "metal":
+            out.append("kernels: no Metal: references in use")
+            return out
+        out.append("stated targets: fused sampler >= 30% off the verify step's sampling time "
+                   "at K=4 on a 0.5B model; 8-row 4-bit verify pass <= 1.6x a 1-row pass "
+                   "on M1/M2")
+        when = "recorded earlier (--recheck to measure again)" if self.from_store else "measured now"
+        out.append(f"kernel verdicts, {when}:")
+        for v in self.verdicts:
+            if not v.passed:
+                out.append(f"  {v.name}: FAILED, never used on this setup: {v.reason}")
+                continue
+            use = "in use" if v.use else "passed, not faster: reference in use"
+            if v.name == "qmm" and v.use:
+                use = f"in use at widths {', '.join(map(str, v.widths))}"
+            out.append(f"  {v.name}: {use}")
+            out.extend(f"    {note}" for note in v.notes)
+            for series, by_width in v.timings_ms.items():
+                cells = " ".join(f"{w}:{ms:.3f}" for w, ms in by_width.items())
+                out.append(f"    {series} ms by width: {cells}")
+        out.append(f"dispatcher now: {self.active}")
+        return out
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def device_name() -> str:
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    return str(info.get("device_name") or platform.processor() or platform.machine())
+
+
+def setup_key() -> str:
+    """Verdicts hold for one device under one MLX version."""
+    return f"{default_backend()} | {device_name()} | mlx {mx.__version__}"
+
+
+def blas_info() -> BlasInfo | None:
+    """The BLAS library mapped into this process, and its float32 matmul speed (CPU only)."""
+    if platform.system() == "Darwin":
+        name, path = "Accelerate", None
+    else:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            maps = ""
+        # numpy's own OpenBLAS (scipy_openblas, symbols suffixed) never serves MLX.
+        libs = sorted({line.split()[-1] for line in maps.splitlines()
+                       if "blas" in line.rsplit("/", 1)[-1].lower()
+                       and "scipy_openblas" not in line})
+        openblas = [p for p in libs if "openblas" in p]
+        if openblas:
+            name, path = "OpenBLAS (preloaded)", openblas[0]
+        elif libs:
+            name, path = "reference BLAS bundled with the mlx wheel (slow)", libs[0]
+        else:
+            name, path = "unknown", None
+    return BlasInfo(name, path, _matmul_gflops())
+
+
+def _matmul_gflops(n: int = 512, repeats: int = 5) -> float:
+    a = mx.random.normal((n, n), key=mx.random.key(0), stream=mx.cpu)
+    mx.eval(a @ a)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(mx.matmul(a, a, stream=mx.cpu))
+    seconds = (time.perf_counter() - start) / repeats
+    return 2 * n**3 / seconds / 1e9
+
+
+# --------------------------------------------------------------------------- verdicts
+
+
+def verdicts_path() -> Path:
+    return app_data_dir() / VERDICTS_FILE
+
+
+def _read_store() -> dict[str, dict[str, dict]]:
+    try:
+        data = json.loads(verdicts_path().read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _verdict_from(raw: dict) -> KernelVerdict:
+    timings = {s: {int(w): float(ms) for w, ms in by.items()}
+               for s, by in raw.get("timings_ms", {}).items()}
+    return KernelVerdict(raw["name"], bool(raw["passed"]), raw.get("reason", ""),
+                         bool(raw.get("use", False)), [int(w) for w in raw.get("widths", [])],
+                         timings, list(raw.get("notes", [])))
+
+
+def saved_verdicts() -> list[KernelVerdict]:
+    """This setup's recorded verdicts (empty when none or unreadable)."""
+    try:
+        return [_verdict_from(v) for v in _read_store().get(setup_key(), {}).values()]
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return []
+
+
+def save_verdicts(verdicts: list[KernelVerdict]) -> None:
+    store = _read_store()
+    store[setup_key()] = {v.name: asdict(v) for v in verdicts}
+    path = verdicts_path()
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(store, indent=1), encoding="utf-8")
+    tmp.replace(path)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """What the dispatcher may use: only kernels that passed here and were faster."""
+
+    sampler: bool = False
+    qmm_widths: tuple[int, ...] = ()
+
+
+def plan_from(verdicts: list[KernelVerdict]) -> KernelPlan:
+    by_name = {v.name: v for v in verdicts}
+    sampler = by_name.get("verify_sampler")
+    matmul = by_name.get("qmm")
+    return KernelPlan(
+        sampler=bool(sampler and sampler.passed and sampler.use),
+        qmm_widths=tuple(matmul.widths) if matmul and matmul.passed and matmul.use else (),
+    )
+
+
+def apply_verdicts(verdicts: list[KernelVerdict]) -> None:
+    """Tell the dispatcher what passed (and won) here; everything else stays off."""
+    plan = plan_from(verdicts)
+    dispatch.configure(sampler=plan.sampler, qmm_widths=plan.qmm_widths)
+
+
+def apply_saved_verdicts() -> None:
+    """Once per model load: use exactly the kernels this setup's doctor run allowed."""
+    if default_backend() == "metal":
+        apply_verdicts(saved_verdicts())
+
+
+def run_doctor(recheck: bool = False) -> DoctorReport:
+    """Check this machine; on Metal, test the kernels not yet judged (all with `recheck`)."""
+    backend = default_backend()
+    report = DoctorReport(backend, device_name(), mx.__version__,
+                          blas_info() if backend == "cpu" else None)
+    if backend == "metal":
+        stored = saved_verdicts()
+        if stored and not recheck:
+            report.verdicts, report.from_store = stored, True
+        else:
+            report.verdicts = selftest.run()
+            save_verdicts(report.verdicts)
+        apply_verdicts(report.verdicts)
+    report.active = dispatch.active()
+    return report

@@ -1,0 +1,106 @@
+"""`understudy doctor`: the report here (no Metal), the verdict store, and the rule that only
+kernels that passed (and won) on this exact setup are used."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from engine import doctor
+from engine.doctor import DoctorReport, KernelPlan, plan_from
+from kernels import dispatch
+from kernels.selftest import KernelVerdict
+
+REPO = Path(__file__).resolve().parents[2]
+no_metal = pytest.mark.skipif(mx.metal.is_available(), reason="this machine has Metal")
+
+
+@no_metal
+def test_doctor_command_reports_backend_blas_and_references(tmp_path: Path) -> None:
+    env = {**os.environ, "UNDERSTUDY_DATA_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "doctor"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("backend: cpu") and f"MLX {mx.__version__}" in lines[0]
+    assert lines[1].startswith("BLAS: ") and "GFLOP/s" in lines[1]
+    speed = float(lines[1].split(": ")[-1].split(" GFLOP/s")[0])
+    assert speed > 0
+    assert lines[-1] == "kernels: no Metal: references in use"
+    assert not (tmp_path / doctor.VERDICTS_FILE).exists()  # nothing judged, nothing stored
+
+
+def test_cli_process_has_openblas_when_installed(tmp_path: Path) -> None:
+    """The launcher preloads the system OpenBLAS and doctor says so (Linux with the package)."""
+    if not Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0").exists():
+        pytest.skip("system OpenBLAS (libopenblas0-pthread) not installed")
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",
+                                                             "UNDERSTUDY_NO_REEXEC")}
+    env["UNDERSTUDY_DATA_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "app.cli", "doctor"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "BLAS: OpenBLAS (preloaded)" in proc.stdout
+
+
+FAILED = KernelVerdict("verify_sampler", passed=False, reason="token differs (row 3)")
+SLOWER = KernelVerdict("verify_sampler", passed=True, use=False)
+WINS = KernelVerdict("qmm", passed=True, use=True, widths=[2, 3, 4],
+                     timings_ms={"builtin": {1: 0.1, 2: 0.2}, "kernel": {2: 0.12}},
+                     notes=["8 rows cost 3.00x one row"])
+
+
+def test_only_kernels_that_passed_and_won_are_planned() -> None:
+    assert plan_from([FAILED, WINS]) == KernelPlan(sampler=False, qmm_widths=(2, 3, 4))
+    assert plan_from([SLOWER]) == KernelPlan()
+    assert plan_from([KernelVerdict("verify_sampler", True, use=True)]).sampler
+    broken_qmm = KernelVerdict("qmm", passed=False, reason="x", use=True, widths=[2])
+    assert plan_from([broken_qmm]) == KernelPlan()
+    assert plan_from([]) == KernelPlan()  # never judged: references
+
+
+def test_verdicts_round_trip_per_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path))
+    assert doctor.saved_verdicts() == []
+    doctor.save_verdicts([FAILED, WINS])
+    assert doctor.saved_verdicts() == [FAILED, WINS]
+    assert doctor.setup_key().endswith(f"mlx {mx.__version__}")
+    # Another device or MLX version has its own entry; this setup's stays as it was.
+    store = (tmp_path / doctor.VERDICTS_FILE)
+    text = store.read_text().replace(f"mlx {mx.__version__}", "mlx 0.0.1")
+    store.write_text(text)
+    assert doctor.saved_verdicts() == []
+
+
+def test_a_corrupt_store_means_nothing_judged(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path))
+    (tmp_path / doctor.VERDICTS_FILE).write_text("{not json")
+    assert doctor.saved_verdicts() == []
+    wrong_shape = {doctor.setup_key(): {"verify_sampler": {"name": 1}}}  # no "passed"
+    (tmp_path / doctor.VERDICTS_FILE).write_text(json.dumps(wrong_shape))
+    assert doctor.saved_verdicts() == []
+
+
+def test_a_failed_kernel_shows_its_reason_and_stays_off() -> None:
+    report = DoctorReport("metal", "Apple M2", "0.32.4", None, [FAILED, WINS], from_store=True)
+    text = "\n".join(report.lines())
+    assert "verify_sampler: FAILED, never used on this setup: token differs (row 3)" in text
+    assert "qmm: in use at widths 2, 3, 4" in text
+    assert "8 rows cost 3.00x one row" in text
+    assert "stated targets" in text and "--recheck" in text
+
+
+@no_metal
+def test_without_metal_the_dispatcher_ignores_any_plan() -> None:
+    dispatch.configure(sampler=True, qmm_widths=[2, 4, 8])
+    try:
+        assert dispatch.active() == {"verify_sampler": False, "qmm_widths": []}
+    finally:
+        dispatch.configure()
