@@ -31,7 +31,7 @@ def _filled_fraction(line: Sparkline, x: int) -> float:
     return (bottom - top) / (bottom - 4)
 
 
-def test_the_steady_part_fills_the_height(qtbot) -> None:
+def test_the_steady_part_fills_the_height(qtbot, screenshots_dir) -> None:
     line = Sparkline()
     qtbot.addWidget(line)
     line.resize(200, 40)
@@ -41,4 +41,4 @@ def test_the_steady_part_fills_the_height(qtbot) -> None:
     assert line.palette().color(line.backgroundRole()) != QColor(0, 0, 0, 0)
     # three quarters along the reply the pace is ~22 tok/s: most of the height, not a sliver
     assert _filled_fraction(line, 150) > 0.6
-    line.grab().save("/tmp/shots/sparkline_burst_then_steady.png")
+    line.grab().save(str(screenshots_dir / "sparkline_burst_then_steady.png"))

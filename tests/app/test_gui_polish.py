@@ -16,8 +16,6 @@ from tests.app.test_gui import (
     wait_idle,
 )
 
-SHOTS = "/tmp/shots"
-
 
 def test_a_clicked_toolbar_button_hands_the_keyboard_back_to_the_composer(qtbot, make_gui,
                                                                           tiny_pair) -> None:
@@ -46,7 +44,8 @@ def test_a_clicked_toolbar_button_hands_the_keyboard_back_to_the_composer(qtbot,
     wait_idle(qtbot, gui)
 
 
-def test_comparison_panes_follow_show_speculation(qtbot, make_gui, tiny_pair) -> None:
+def test_comparison_panes_follow_show_speculation(qtbot, make_gui, tiny_pair,
+                                                  screenshots_dir) -> None:
     target, draft = tiny_pair
     gui = make_gui(spec_settings(target, draft, max_tokens=60))
     window = gui.window
@@ -64,21 +63,21 @@ def test_comparison_panes_follow_show_speculation(qtbot, make_gui, tiny_pair) ->
     assert all(styled(p) > 0 for p in panes)
     spark = view.speculative.gauge.sparkline.values
     assert len(spark) > 3 and sparkline_top(spark) <= max(spark)
-    window.grab().save(f"{SHOTS}/comparison_speculation.png")
+    window.grab().save(str(screenshots_dir / "comparison_speculation.png"))
 
     window.speculation_action.trigger()  # View ▸ Show Speculation off: clean Markdown
     assert not window.chat_view.show_speculation
     assert all(styled(p) == 0 for p in panes)
     assert view.plain.browser.document().toPlainText().strip() == \
         blocker.args[0].plain_text.strip()
-    window.grab().save(f"{SHOTS}/comparison_markdown.png")
+    window.grab().save(str(screenshots_dir / "comparison_markdown.png"))
 
     window.speculation_action.trigger()
     assert all(styled(p) > 0 for p in panes)
 
 
-def test_long_chat_titles_are_elided_with_the_full_title_on_hover(qtbot, make_gui,
-                                                                  tiny_pair) -> None:
+def test_long_chat_titles_are_elided_with_the_full_title_on_hover(qtbot, make_gui, tiny_pair,
+                                                                  screenshots_dir) -> None:
     gui = make_gui(plain_settings(tiny_pair[0]))
     title = "A question about " + "very " * 30 + "long titles in the sidebar"
     cid = gui.controller.new_conversation()
@@ -93,10 +92,11 @@ def test_long_chat_titles_are_elided_with_the_full_title_on_hover(qtbot, make_gu
     assert not view.horizontalScrollBar().isVisible()
     assert view.visualRect(index).width() <= view.viewport().width()
     assert title in index.data(Qt.ItemDataRole.ToolTipRole)
-    sidebar.grab().save(f"{SHOTS}/sidebar_long_title.png")
+    sidebar.grab().save(str(screenshots_dir / "sidebar_long_title.png"))
 
 
-def test_loading_a_model_shows_determinate_progress(qtbot, make_gui, tiny_pair) -> None:
+def test_loading_a_model_shows_determinate_progress(qtbot, make_gui, tiny_pair,
+                                                    screenshots_dir) -> None:
     gui = make_gui(plain_settings(tiny_pair[0]))  # starts loading the target
     bar = gui.window.load_progress
     seen: list[tuple[int, int, int, int, bool]] = []  # done, total, bar max, value, visible
@@ -104,7 +104,7 @@ def test_loading_a_model_shows_determinate_progress(qtbot, make_gui, tiny_pair) 
     def record(done: int, total: int) -> None:  # runs after the window's own handler
         seen.append((done, total, bar.maximum(), bar.value(), bar.isVisible()))
         if len(seen) == 2:
-            gui.window.statusBar().grab().save(f"{SHOTS}/load_progress.png")
+            gui.window.statusBar().grab().save(str(screenshots_dir / "load_progress.png"))
 
     gui.controller.model_load_progressed.connect(record)
     qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
@@ -117,7 +117,8 @@ def test_loading_a_model_shows_determinate_progress(qtbot, make_gui, tiny_pair) 
     assert "of weights read" in bar.toolTip()
 
 
-def test_pickers_offer_choose_a_folder(qtbot, make_gui, tiny_pair, tmp_path, monkeypatch) -> None:
+def test_pickers_offer_choose_a_folder(qtbot, make_gui, tiny_pair, tmp_path, monkeypatch,
+                                      screenshots_dir) -> None:
     from PySide6.QtWidgets import QFileDialog
 
     from tests.fixtures.tiny_models import write_tiny_model
@@ -155,3 +156,6 @@ def test_pickers_offer_choose_a_folder(qtbot, make_gui, tiny_pair, tmp_path, mon
                     and gui.controller.model.spec == str(other), timeout=TIMEOUT)
     assert panel.target_combo.currentData() == str(other)
     assert panel.target_combo.currentText() == "Elsewhere"
+    panel.target_combo.showPopup()
+    panel.target_combo.view().window().grab().save(str(screenshots_dir / "target_picker.png"))
+    panel.target_combo.hidePopup()

@@ -432,7 +432,8 @@ def test_import_folder_adds_a_ready_model(qtbot, hub, relay, cache, memory_keyri
 
 
 def test_search_covers_every_author_runnable_first_and_the_author_field_narrows(
-        qtbot, hub, relay, cache, memory_keyring, async_loop, tmp_path, repo_folders):
+        qtbot, hub, relay, cache, memory_keyring, async_loop, tmp_path, repo_folders,
+        screenshots_dir):
     hub.state.add(FakeRepo.from_folder("someone/tiny-chat", repo_folders["target"],
                                        downloads=10_000))
     hub.state.add(FakeRepo("someone/tiny-chat-GGUF", {"config.json": b'{"model_type": "llama"}',
@@ -448,6 +449,8 @@ def test_search_covers_every_author_runnable_first_and_the_author_field_narrows(
     assert "all authors" in panel.results_hint.text()
     assert _cell(results, 4, "Supported") == "✗"
     assert "Import GGUF" in _cell(results, 4, "Supported", Qt.ItemDataRole.ToolTipRole)
+    panel.resize(900, 500)
+    panel.grab().save(str(screenshots_dir / "models_search_all_authors.png"))
 
     qtbot.keyClicks(panel.author_edit, "someone")
     qtbot.keyClick(panel.author_edit, Qt.Key.Key_Return)
@@ -489,7 +492,7 @@ def test_gguf_import_runs_on_the_engine_thread_and_reaches_the_picker(qtbot, gui
 
 
 def test_file_import_gguf_shows_progress_and_the_model_reaches_the_pickers(
-        qtbot, gui, tmp_path, monkeypatch):
+        qtbot, gui, tmp_path, monkeypatch, screenshots_dir):
     from engine.paths import models_dir
 
     src = tmp_path / "Tiny Menu.Q8_0.gguf"
@@ -503,7 +506,7 @@ def test_file_import_gguf_shows_progress_and_the_model_reaches_the_pickers(
         dialog = window.import_dialog
         seen.append((done, total, dialog.isVisible(), dialog.progress.value()))
         if done == total // 2:
-            dialog.grab().save("/tmp/shots/import_gguf_progress.png")
+            dialog.grab().save(str(screenshots_dir / "import_gguf_progress.png"))
 
     window.models_controller.import_progressed.connect(record)
     with qtbot.waitSignal(window.models_controller.import_ended, timeout=TIMEOUT) as ended:
