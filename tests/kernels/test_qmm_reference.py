@@ -94,3 +94,19 @@ def test_odd_group_sizes_and_bits_are_not_covered() -> None:
     assert not qmm.covers(x, w3, s3, b3, 64, 3)
     x, w, scales, biases = _inputs()
     assert qmm.covers(x, w, scales, biases, 64, 4)  # control: a covered case
+
+
+def test_quantized_decoder_layers_go_through_the_dispatcher() -> None:
+    """nn.quantize turns the decoder's Linear into its QuantizedLinear, whose product is
+    `kernels.dispatch.quantized_matmul` (here: MLX's, as no kernel is allowed)."""
+    import mlx.nn as nn
+
+    from engine.models.decoder import Linear, QuantizedLinear
+
+    holder = nn.Sequential(Linear(128, 32, bias=True))
+    nn.quantize(holder, group_size=64, bits=4)
+    layer = holder.layers[0]
+    assert type(layer) is QuantizedLinear and isinstance(layer, nn.QuantizedLinear)
+    x = mx.array(np.random.default_rng(0).standard_normal((1, 5, 128)).astype(np.float32))
+    want = nn.QuantizedLinear.__call__(layer, x)
+    np.testing.assert_array_equal(np.array(layer(x)), np.array(want))
