@@ -50,9 +50,10 @@ class DoctorReport:
         """The report as plain text lines (the CLI prints them; the app shows them)."""
         out = [f"backend: {self.backend} ({self.device}), MLX {self.mlx_version}"]
         if self.blas is not None:
-            where = f" ({self.blas.path})" if self.blas.path else ""
-            out.append(f"BLAS: {self.blas.name}{where}: {self.blas.gflops:.1f} GFLOP/s "
+            out.append(f"BLAS: {self.blas.name}: {self.blas.gflops:.1f} GFLOP/s "
                        "(float32 512x512 matmul)")
+            if self.blas.path:
+                out.append(f"  library: {self.blas.path}")
         if self.backend != "metal":
             out.append("kernels: no Metal: references in use")
             return out

@@ -270,6 +270,8 @@ class MainWindow(QMainWindow):
         chat_menu.addSeparator()
         chat_menu.addAction(self._action("Rename Chat…", self._rename_current))
         chat_menu.addAction(self._action("Delete Chat…", self._delete_current))
+        help_menu = bar.addMenu("&Help")
+        help_menu.addAction(self._action("Diagnostics…", self.show_diagnostics))
 
     # -- intents -------------------------------------------------------------------------
     @property
@@ -283,6 +285,18 @@ class MainWindow(QMainWindow):
 
     def focus_composer(self) -> None:
         self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
+
+    diagnostics_dialog = None  # Help ▸ Diagnostics…, made on first use
+
+    def show_diagnostics(self) -> None:
+        """Help ▸ Diagnostics…: `understudy doctor`'s report (kernels, backend, BLAS)."""
+        if self.diagnostics_dialog is None:
+            from app.ui.diagnostics import DiagnosticsDialog
+
+            self.diagnostics_dialog = DiagnosticsDialog(self.controller.host, self)
+            self.diagnostics_dialog.run()
+        self.diagnostics_dialog.show()
+        self.diagnostics_dialog.raise_()
 
     def show_settings(self) -> None:
         self.panel_action.setChecked(True)

@@ -104,6 +104,7 @@ class EngineWorker(QObject):
     model_load_progressed = Signal(str, int, int)  # spec, weight bytes read, of total
     model_loaded = Signal(object)  # ModelInfo
     model_load_failed = Signal(str, str)  # spec, message
+    doctor_reported = Signal(object)  # list[str]: `understudy doctor`'s report lines
     generation_started = Signal(int)  # request id
     prompt_progressed = Signal(int, int, int)  # request id, tokens done, total
     step_generated = Signal(int, object, object)  # request id, Step, Stats after it
@@ -250,6 +251,17 @@ class EngineWorker(QObject):
             for events in streams.values():
                 events.close()  # trims the caches to what each reply committed
 
+    @Slot(bool)
+    def run_doctor(self, recheck: bool) -> None:
+        """`understudy doctor` here: on a Mac the kernels' self-test runs MLX on the GPU."""
+        from engine.doctor import run_doctor
+
+        try:
+            lines = run_doctor(recheck=recheck).lines()
+        except Exception as e:  # the Diagnostics window shows it instead of the report
+            lines = [f"doctor failed: {_describe(e)}"]
+        self.doctor_reported.emit(lines)
+
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, EngineError):
@@ -274,6 +286,7 @@ class EngineHost(QObject):
     """The GUI thread's handle on the engine thread: starts it, forwards requests, stops it."""
 
     _load_requested = Signal(str)
+    _doctor_requested = Signal(bool)
     _generate_requested = Signal(object)
     _race_requested = Signal(object, object)
 
@@ -287,6 +300,7 @@ class EngineHost(QObject):
         self.worker.moveToThread(self.thread)
         self.thread.finished.connect(self.worker.deleteLater)
         self._load_requested.connect(self.worker.load_target)
+        self._doctor_requested.connect(self.worker.run_doctor)
         self._generate_requested.connect(self.worker.generate)
         self._race_requested.connect(self.worker.race)
         self.worker.generation_finished.connect(self._on_request_ended)
@@ -298,6 +312,11 @@ class EngineHost(QObject):
 
     def load(self, spec: str) -> None:
         self._load_requested.emit(spec)
+
+    def doctor(self, recheck: bool = False) -> None:
+        """Run `understudy doctor` on the engine thread; the report arrives as
+        `worker.doctor_reported`."""
+        self._doctor_requested.emit(recheck)
 
     def generate(self, request: GenerationRequest) -> None:
         self._active[request.request_id] = request.cancel
