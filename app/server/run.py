@@ -34,8 +34,9 @@ def is_loopback(host: str) -> bool:
 def check_bind(host: str, api_key: str | None) -> None:
     """Off loopback the server is reachable by others: it must then require a key."""
     if not is_loopback(host) and not api_key:
-        raise EngineError(f"--host {host} makes the server reachable from other machines: "
-                          "give --api-key KEY too (clients send 'Authorization: Bearer KEY')")
+        raise EngineError(f"host {host} makes the server reachable from other machines: "
+                          "set an API key too (--api-key KEY); clients then send "
+                          "'Authorization: Bearer KEY'")
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -67,8 +68,10 @@ class BackgroundServer:
         self._sock = bind_socket(host, port)
         self.url = base_url(self._sock)
         # no signal handlers off the main thread; uvicorn skips them there by itself
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
-                                                     lifespan="off"))
+        # streams still open at stop() get a moment to end, then are cut (their jobs
+        # are cancelled as their clients go)
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                                     timeout_graceful_shutdown=3))
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._sock]},
                                         name="understudy-server", daemon=True)

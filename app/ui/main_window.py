@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from app.ui.models_controller import ModelsController
     from app.ui.models_panel import ModelsPanel
     from app.ui.preferences import PreferencesDialog
+    from app.ui.server_panel import ServerPanel
 
 
 class ErrorBanner(QFrame):
@@ -118,6 +119,7 @@ class MainWindow(QMainWindow):
         self._models_controller: ModelsController | None = None
         self._models_panel: ModelsPanel | None = None
         self._preferences: PreferencesDialog | None = None
+        self._server_panel: ServerPanel | None = None  # made on first use
         self.import_dialog: ImportProgressDialog | None = None  # made with the models controller
 
         self.title_label = QLabel("New chat")
@@ -176,6 +178,7 @@ class MainWindow(QMainWindow):
         self.statusBar().addPermanentWidget(self.load_progress)
 
         self._build_menus()
+        self._build_server_menu()
         self.compare_button.toggled.connect(self.set_comparison_mode)
         self.composer.message_submitted.connect(self._on_message_submitted)
         self.composer.edit_submitted.connect(self._on_edit_submitted)
@@ -297,6 +300,48 @@ class MainWindow(QMainWindow):
             self.diagnostics_dialog.run()
         self.diagnostics_dialog.show()
         self.diagnostics_dialog.raise_()
+
+    # -- local server --------------------------------------------------------------------
+    def _build_server_menu(self) -> None:
+        menu = self.menuBar().addMenu("&Server")
+        self.server_start_action = self._action("Start Server", self.start_server)
+        self.server_stop_action = self._action("Stop Server", self.stop_server)
+        self.server_stop_action.setEnabled(False)
+        menu.addAction(self.server_start_action)
+        menu.addAction(self.server_stop_action)
+        menu.addSeparator()
+        menu.addAction(self._action("Server Panel…", self.show_server_panel))
+
+    @property
+    def server_panel(self) -> ServerPanel:
+        """The local server's panel, made on first use (it starts nothing by itself)."""
+        if self._server_panel is None:
+            from app.ui.server_panel import ServerPanel
+
+            self._server_panel = ServerPanel(self.controller.host, self.controller, self)
+            self._server_panel.running_changed.connect(self._on_server_running_changed)
+        return self._server_panel
+
+    def show_server_panel(self) -> ServerPanel:
+        panel = self.server_panel
+        panel.show()
+        panel.raise_()
+        return panel
+
+    def start_server(self) -> None:
+        """Server ▸ Start: listen with the panel's settings and show where."""
+        self.show_server_panel().start_server()
+
+    def stop_server(self) -> None:
+        if self._server_panel is not None:
+            self._server_panel.stop_server()
+
+    def _on_server_running_changed(self, running: bool) -> None:
+        self.server_start_action.setEnabled(not running)
+        self.server_stop_action.setEnabled(running)
+        url = self._server_panel.url if self._server_panel is not None else None
+        self.statusBar().showMessage(f"Server listening on {url}" if running and url
+                                     else "Server stopped", 5000)
 
     def show_settings(self) -> None:
         self.panel_action.setChecked(True)
@@ -525,6 +570,7 @@ class MainWindow(QMainWindow):
 
     def closeEvent(self, event: QCloseEvent) -> None:  # noqa: N802 - Qt override
         self.save_state()
+        self.stop_server()
         if self._models_controller is not None:
             self._models_controller.shutdown()
         self.controller.close()

@@ -262,6 +262,19 @@ class EngineWorker(QObject):
             lines = [f"doctor failed: {_describe(e)}"]
         self.doctor_reported.emit(lines)
 
+    @Slot(object, object)
+    def serve_job(self, job: Any, settings: ChatSettings) -> None:
+        """Run one request of the local server (`app.server.jobs.Job`) on this thread, in
+        turn with the chat's replies; the server's own queue bounds how many wait."""
+        from app.server.jobs import JobFailed, run_job
+
+        try:
+            session = self._session(settings, settings.drafter == "off")
+        except Exception as exc:  # noqa: BLE001 - the client gets the message, not a crash
+            job.emit(JobFailed(_describe(exc), 500))
+            return
+        run_job(session, job)
+
 
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, EngineError):
@@ -289,6 +302,7 @@ class EngineHost(QObject):
     _doctor_requested = Signal(bool)
     _generate_requested = Signal(object)
     _race_requested = Signal(object, object)
+    _serve_requested = Signal(object, object)
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -303,6 +317,7 @@ class EngineHost(QObject):
         self._doctor_requested.connect(self.worker.run_doctor)
         self._generate_requested.connect(self.worker.generate)
         self._race_requested.connect(self.worker.race)
+        self._serve_requested.connect(self.worker.serve_job)
         self.worker.generation_finished.connect(self._on_request_ended)
         self.worker.generation_failed.connect(self._on_request_ended)
         self.thread.start()
@@ -327,6 +342,10 @@ class EngineHost(QObject):
         for r in (spec, plain):
             self._active[r.request_id] = r.cancel
         self._race_requested.emit(spec, plain)
+
+    def serve(self, job: Any, settings: ChatSettings) -> None:
+        """Queue a server job on the engine thread (callable from the server's thread)."""
+        self._serve_requested.emit(job, settings)
 
     def cancel(self, request_id: int) -> None:
         event = self._active.get(request_id)

@@ -274,7 +274,7 @@ def test_off_loopback_needs_a_key(capsys: pytest.CaptureFixture[str]) -> None:
         check_bind("192.168.1.5", "")
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("error: --host 0.0.0.0") and "--api-key" in err
+    assert err.startswith("error: host 0.0.0.0") and "--api-key" in err
 
 
 # ---------------------------------------------------------------------------- bad input
