@@ -1,14 +1,17 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    install everything, then open Understudy on the built-in demo model
 #   make test   install everything, then run the whole test suite
+#   make app    build the packaged app for this machine (dist/Understudy.app + DMG on macOS,
+#               dist/Understudy/ on Linux)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 UNAME := $(shell uname -s)
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
 # Debian/Ubuntu packages: the fast BLAS for MLX's CPU backend, what Qt's xcb plugin needs,
-# and clang (tests/kernels check the Metal kernels' generated source with clang++).
-APT_PACKAGES := libopenblas0-pthread clang libxcb-cursor0 libxkbcommon-x11-0 libxcb-icccm4 \
+# clang (tests/kernels check the Metal kernels' generated source with clang++), and binutils
+# (PyInstaller's objdump, for `make app` and tests/packaging's bundle build).
+APT_PACKAGES := libopenblas0-pthread clang binutils libxcb-cursor0 libxkbcommon-x11-0 libxcb-icccm4 \
 	libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 \
 	libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libfontconfig1 libdbus-1-3
 ifeq ($(shell id -u),0)
@@ -17,7 +20,7 @@ else
 SUDO := sudo
 endif
 
-.PHONY: run test setup system-deps lint bench clean
+.PHONY: run test setup system-deps lint bench app clean
 
 run: setup
 	$(VENV)/bin/understudy
@@ -51,5 +54,8 @@ lint: setup
 bench: setup
 	$(VENV)/bin/understudy bench --model demo --modes plain,spec --drafter auto
 
+app: setup
+	$(PY) packaging/build.py
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info

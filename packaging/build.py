@@ -33,6 +33,9 @@ def tree_size(path: Path) -> int:
 
 def run_pyinstaller(dist: Path, work: Path) -> None:
     env = dict(os.environ, UNDERSTUDY_BUILD_DIR=str(work))
+    # PyInstaller finds dependencies with ldd, which lists a preloaded library as a
+    # dependency of everything: the system OpenBLAS would be bundled for nothing (35 MB)
+    env.pop("LD_PRELOAD", None)
     subprocess.run([sys.executable, "-m", "PyInstaller", "--noconfirm", "--clean",
                     "--log-level", "WARN", "--distpath", str(dist),
                     "--workpath", str(work / "pyinstaller"), str(SPEC)],

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
-from PySide6.QtCore import QThread, QTimer
+from PySide6.QtCore import Qt, QThread, QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox, QWidget
 
 from app.ui.controller import ChatController
@@ -80,6 +80,7 @@ class CrashHandler:
             self.dialog = QMessageBox(QMessageBox.Icon.Critical, "Understudy",
                                       crash_message(exc, self.log_path),
                                       QMessageBox.StandardButton.Ok, self.parent)
+            self.dialog.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             self.dialog.finished.connect(self._on_dialog_closed)
             self.dialog.open()  # not exec(): never a nested event loop inside a hook
 

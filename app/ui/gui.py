@@ -55,40 +55,42 @@ def run_gui(model_spec: str = "demo", *, smoke: bool = False) -> int:
         print(f"understudy: {exc}", file=sys.stderr)
         return 1
     host = EngineHost()
-    if scratch:
-        from app.ui.smoke import SMOKE_MAX_TOKENS
-
-        qs = QSettings(str(Path(scratch.name) / "settings.ini"), QSettings.Format.IniFormat)
-        settings = ChatSettings(target=model_spec, max_tokens=SMOKE_MAX_TOKENS)
-    else:
-        qs = settings_store()
-        settings = load_chat_settings(qs, model_spec)
-    controller = ChatController(store, host, settings)
-    window = MainWindow(controller, qs)
-    crash = CrashHandler(controller, log_path, window, show_dialog=not smoke)
-    crash.install()
+    crash: CrashHandler | None = None
     run = None
-    if smoke:
-        from app.ui.smoke import SmokeRun
+    try:  # from here on the engine thread runs: whatever fails, it is joined on the way out
+        if scratch:
+            from app.ui.smoke import SMOKE_MAX_TOKENS
 
-        run = SmokeRun(controller, window)
-    window.open_initial_conversation()
-    window.show()
-    controller.load_model()
+            qs = QSettings(str(Path(scratch.name) / "settings.ini"), QSettings.Format.IniFormat)
+            settings = ChatSettings(target=model_spec, max_tokens=SMOKE_MAX_TOKENS)
+        else:
+            qs = settings_store()
+            settings = load_chat_settings(qs, model_spec)
+        controller = ChatController(store, host, settings)
+        window = MainWindow(controller, qs)
+        crash = CrashHandler(controller, log_path, window, show_dialog=not smoke)
+        crash.install()
+        if smoke:
+            from app.ui.smoke import SmokeRun
 
-    loop = qasync.QEventLoop(app)
-    asyncio.set_event_loop(loop)
-    closing = asyncio.Event()
-    app.aboutToQuit.connect(closing.set)
-    try:
+            run = SmokeRun(controller, window)
+        window.open_initial_conversation()
+        window.show()
+        controller.load_model()
+
+        loop = qasync.QEventLoop(app)
+        asyncio.set_event_loop(loop)
+        closing = asyncio.Event()
+        app.aboutToQuit.connect(closing.set)
         with loop:
             loop.run_until_complete(closing.wait())
     finally:
-        crash.uninstall()
+        if crash is not None:
+            crash.uninstall()
         host.shutdown()
         store.close()
         if scratch:
             scratch.cleanup()
     if run is not None:
-        return 1 if crash.count or run.exit_code is None else run.exit_code
+        return 1 if (crash is not None and crash.count) or run.exit_code is None else run.exit_code
     return 0

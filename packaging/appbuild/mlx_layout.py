@@ -109,7 +109,7 @@ def dedupe_libmlx(toc: Iterable[tuple]) -> tuple[list[tuple], list[tuple]]:
     canonical = False
     for entry in toc:
         dest = Path(entry[0])
-        if not LIBMLX.match(dest.name):
+        if not LIBMLX.match(dest.name) or entry[2:3] == ("SYMLINK",):  # a link is no copy
             kept.append(entry)
         elif dest.parent.as_posix() == MLX_LIB_DEST and not canonical:
             kept.append(entry)

@@ -146,3 +146,10 @@ def test_smoke_run_fails_on_a_model_that_does_not_load(qtbot, make_gui, tmp_path
     run = SmokeRun(gui.controller, gui.window, quit_app=lambda: None)
     qtbot.waitUntil(lambda: run.exit_code is not None, timeout=TIMEOUT)
     assert run.exit_code == 1
+
+
+def test_smoke_flag_parses() -> None:
+    from app.cli.main import build_parser
+
+    assert build_parser().parse_args(["--smoke"]).smoke is True
+    assert build_parser().parse_args([]).smoke is False

@@ -79,6 +79,8 @@ def test_dedupe_keeps_only_the_copy_in_mlx_lib() -> None:
     kept, dropped = mlx_layout.dedupe_libmlx(toc)
     assert dropped == [toc[0]]
     assert kept == toc[1:]
+    alias = ("libmlx.dylib", "mlx/lib/libmlx.dylib", "SYMLINK")  # PyInstaller's own link
+    assert mlx_layout.dedupe_libmlx([*toc[1:], alias]) == ([*toc[1:], alias], [])
     with pytest.raises(MlxLayoutError, match="no libmlx entry destined for mlx/lib"):
         mlx_layout.dedupe_libmlx([toc[0], toc[2]])
 
