@@ -32,14 +32,16 @@ KERNEL_DTYPES = (mx.float32, mx.float16)
 
 def reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
               group_size: int, bits: int) -> mx.array:
-    """x @ dequantize(w).T in plain MLX ops: the contract the kernel is checked against.
+    """x @ dequantize(w).T in plain MLX ops, summed in float32: the contract the kernel is
+    checked against.
 
     Shapes:
         x: (..., K); w: (N, K * bits / 32) uint32; scales, biases: (N, K / group_size).
         Returns (..., N) in x's dtype.
     """
-    dense = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-    return (x @ dense.astype(x.dtype).T).astype(x.dtype)
+    dense = mx.dequantize(w.astype(mx.uint32), scales.astype(mx.float32),
+                          biases.astype(mx.float32), group_size=group_size, bits=bits)
+    return (x.astype(mx.float32) @ dense.T).astype(x.dtype)  # float32 sums, as the kernel's
 
 
 def builtin(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,

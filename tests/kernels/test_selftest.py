@@ -1,0 +1,58 @@
+"""The device self-test's checker can fail: run here on stand-ins for the kernels.
+
+Without Metal the kernels cannot run, but the checker that judges them can: given the
+reference (or MLX's own matmul) it must pass; given a sampler or matmul that is wrong in a
+realistic way it must fail and say where. On a Mac, tests/kernels/test_on_metal.py runs
+the same checker on the kernels themselves.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from kernels import qmm, selftest, verify_sampler
+from kernels.verify_sampler import SampledRows
+
+
+def test_sampler_checker_passes_the_reference() -> None:
+    small = [c for c in selftest.sampler_cases() if c[0].shape[-1] <= 1024]  # fast on a CPU
+    assert len(small) == 50
+    passed, reason, ties = selftest.check_sampler(
+        lambda s, k, p, d, spec: verify_sampler.reference(s.astype(mx.float32), k, p, d, spec),
+        small)
+    assert passed, reason
+    assert ties == 0
+
+
+def test_sampler_checker_fails_noise_for_the_next_position() -> None:
+    def shifted(s, k, p, d, spec) -> SampledRows:
+        return verify_sampler.reference(s.astype(mx.float32), k, p + 1, d, spec)
+
+    passed, reason, _ = selftest.check_sampler(shifted)
+    assert not passed and "token differs from the reference" in reason
+
+
+def test_sampler_checker_fails_wrong_probabilities() -> None:
+    def halved(s, k, p, d, spec) -> SampledRows:
+        rows = verify_sampler.reference(s.astype(mx.float32), k, p, d, spec)
+        return SampledRows(rows.tokens, rows.n_accepted, rows.p_token * 0.5, rows.p_draft)
+
+    passed, reason, _ = selftest.check_sampler(halved)
+    assert not passed and "p_token differs" in reason
+
+
+def test_qmm_checker_passes_mlxs_matmul_and_fails_a_wrong_one() -> None:
+    passed, reason = selftest.check_qmm(qmm.builtin)
+    assert passed, reason
+
+    def no_bias(x, w, scales, biases, group_size, bits):
+        return qmm.builtin(x, w, scales, mx.zeros_like(biases), group_size, bits)
+
+    passed, reason = selftest.check_qmm(no_bias)
+    assert not passed and "differs from the reference" in reason
+
+
+def test_without_metal_the_self_test_reports_nothing_judged() -> None:
+    if mx.metal.is_available():
+        return
+    assert selftest.run() == []
