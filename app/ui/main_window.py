@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     from app.ui.models_panel import ModelsPanel
     from app.ui.preferences import PreferencesDialog
     from app.ui.server_panel import ServerPanel
+    from app.ui.train_dialog import TrainDrafterDialog
 
 
 class ErrorBanner(QFrame):
@@ -121,6 +122,7 @@ class MainWindow(QMainWindow):
         self._preferences: PreferencesDialog | None = None
         self._server_panel: ServerPanel | None = None  # made on first use
         self.import_dialog: ImportProgressDialog | None = None  # made with the models controller
+        self.train_dialog: TrainDrafterDialog | None = None  # made on first use
 
         self.title_label = QLabel("New chat")
         self.title_label.setObjectName("chatTitle")
@@ -272,7 +274,11 @@ class MainWindow(QMainWindow):
         chat_menu.addAction(self.regenerate_action)
         chat_menu.addSeparator()
         chat_menu.addAction(self._action("Rename Chat…", self._rename_current))
+        self.train_action = self._action("Train a Drafter for This Model…",
+                                         self.show_train_drafter)
         chat_menu.addAction(self._action("Delete Chat…", self._delete_current))
+        chat_menu.addSeparator()
+        chat_menu.addAction(self.train_action)
         help_menu = bar.addMenu("&Help")
         help_menu.addAction(self._action("Diagnostics…", self.show_diagnostics))
 
@@ -300,6 +306,16 @@ class MainWindow(QMainWindow):
             self.diagnostics_dialog.run()
         self.diagnostics_dialog.show()
         self.diagnostics_dialog.raise_()
+
+    def show_train_drafter(self) -> None:
+        """Chat ▸ Train a Drafter…: the training window (one per main window)."""
+        if self.train_dialog is None:
+            from app.ui.train_dialog import TrainDrafterDialog
+
+            self.train_dialog = TrainDrafterDialog(self.controller, self)
+        self.train_dialog.refresh()
+        self.train_dialog.show()
+        self.train_dialog.raise_()
 
     # -- local server --------------------------------------------------------------------
     def _build_server_menu(self) -> None:

@@ -18,14 +18,14 @@ import traceback
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
 from engine.errors import EngineError
 from engine.events import Finished, PromptProgress, Step
 
 log = logging.getLogger(__name__)
 
-DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "auto")
+DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "head", "auto")
 ACCEPT_RULES = ("coupled", "rejection")
 # A race's turn: long enough that a turn's fixed cost (building the first pass with the
 # machine idle, waiting for the last) stays a small share, short enough to look live.
@@ -110,6 +110,8 @@ class EngineWorker(QObject):
     step_generated = Signal(int, object, object)  # request id, Step, Stats after it
     generation_finished = Signal(int, object)  # request id, Finished
     generation_failed = Signal(int, str)  # request id, message
+    training_progressed = Signal(object)  # engine.training.job.TrainProgress
+    training_ended = Signal(object, str)  # the last TrainProgress (or None), error message
 
     def __init__(self) -> None:
         super().__init__()
@@ -117,6 +119,9 @@ class EngineWorker(QObject):
         self._target = None  # LoadedModel
         self._drafts: dict[str, Any] = {}  # spec -> LoadedModel
         self._sessions: dict[str | None, Any] = {}  # draft spec -> ChatSession on the target
+        self._head: tuple[str, Any] | None = None  # (target spec, its trained head or None)
+        self._training: Any = None  # the train_drafter generator while a job runs
+        self._last_progress: Any = None
 
     # -- loading -------------------------------------------------------------------------
     @Slot(str)
@@ -133,6 +138,7 @@ class EngineWorker(QObject):
         self.model_loading.emit(spec)
         self._target = self._target_spec = None
         self._sessions.clear()
+        self._head = None
         loaded = self._load(spec)
         self._target, self._target_spec = loaded, spec
         self.model_loaded.emit(_model_info(spec, loaded))
@@ -169,8 +175,62 @@ class EngineWorker(QObject):
         key = settings.draft if wants_draft else None
         if key not in self._sessions:
             draft = self._draft_model(key) if key else None
-            self._sessions[key] = ChatSession(self._target, draft)
+            self._sessions[key] = ChatSession(self._target, draft, self._trained_head())
         return self._sessions[key]
+
+    def _trained_head(self):
+        """The target's trained drafter head, if any (every session carries it, so that
+        `head` and `auto` can use it; a broken one is logged and left out)."""
+        from engine.drafters.head_io import find_head
+
+        if self._head is None or self._head[0] != self._target_spec:
+            try:
+                found = find_head(self._target)
+            except EngineError as exc:
+                log.warning("trained head not used: %s", exc)
+                found = None
+            self._head = (str(self._target_spec), found[0] if found else None)
+        return self._head[1]
+
+    # -- training a drafter head ---------------------------------------------------------
+    @Slot(str, float, object)
+    def train_drafter(self, spec: str, minutes: float, cancel: threading.Event) -> None:
+        """Start training a head for `spec`, one short slice per event-loop turn: a reply
+        requested meanwhile runs between two slices (training pauses while it is written)."""
+        from engine.training.job import TrainOptions, train_drafter
+
+        if self._training is not None:
+            return
+        try:
+            self._ensure_target(spec)
+            options = TrainOptions(minutes=minutes, gen_batch=8, max_new=128)
+            self._training = train_drafter(self._target, options, cancel)
+            self._last_progress = None
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a message
+            self.training_ended.emit(None, _describe(exc))
+            return
+        QTimer.singleShot(0, self._train_slice)
+
+    def _train_slice(self) -> None:
+        if self._training is None:
+            return
+        try:
+            progress = next(self._training)
+        except StopIteration:
+            self._end_training("")
+            return
+        except Exception as exc:  # noqa: BLE001
+            self._end_training(_describe(exc))
+            return
+        self._last_progress = progress
+        self.training_progressed.emit(progress)
+        QTimer.singleShot(0, self._train_slice)
+
+    def _end_training(self, error: str) -> None:
+        self._training = None
+        self._sessions.clear()  # the next reply's session picks up the new head
+        self._head = None
+        self.training_ended.emit(self._last_progress, error)
 
     # -- generation ----------------------------------------------------------------------
     @Slot(object)
@@ -302,6 +362,7 @@ class EngineHost(QObject):
     _doctor_requested = Signal(bool)
     _generate_requested = Signal(object)
     _race_requested = Signal(object, object)
+    _train_requested = Signal(str, float, object)
     _serve_requested = Signal(object, object)
 
     def __init__(self, parent: QObject | None = None) -> None:
@@ -317,6 +378,8 @@ class EngineHost(QObject):
         self._doctor_requested.connect(self.worker.run_doctor)
         self._generate_requested.connect(self.worker.generate)
         self._race_requested.connect(self.worker.race)
+        self._train_requested.connect(self.worker.train_drafter)
+        self._train_cancel = threading.Event()
         self._serve_requested.connect(self.worker.serve_job)
         self.worker.generation_finished.connect(self._on_request_ended)
         self.worker.generation_failed.connect(self._on_request_ended)
@@ -352,6 +415,15 @@ class EngineHost(QObject):
         if event is not None:
             event.set()
 
+    def train_drafter(self, spec: str, minutes: float) -> None:
+        """Train a drafter head for `spec` for up to `minutes`, between replies."""
+        self._train_cancel = threading.Event()
+        self._train_requested.emit(spec, float(minutes), self._train_cancel)
+
+    def cancel_training(self) -> None:
+        """Stop training after the slice in flight (a checkpoint is written)."""
+        self._train_cancel.set()
+
     def cancel_all(self) -> None:
         for event in list(self._active.values()):
             event.set()
@@ -364,8 +436,9 @@ class EngineHost(QObject):
         self._active.pop(request_id, None)
 
     def shutdown(self, timeout_ms: int = 30000) -> None:
-        """Stop any reply, then quit and join the engine thread."""
+        """Stop any reply (and training), then quit and join the engine thread."""
         self.cancel_all()
+        self.cancel_training()
         if self.thread.isRunning():
             self.thread.quit()
             self.thread.wait(timeout_ms)

@@ -56,6 +56,7 @@ class FeatureTap:
         self._chunks.append((start, rows))
         if len(self._chunks) > CONSOLIDATE_AT:
             joined = mx.concatenate([r for _, r in self._chunks], axis=0)
+            mx.async_eval(joined)  # computed in the background; the chunks' graphs can go
             self._chunks = [(self._chunks[0][0], joined)]
 
     def truncate(self, length: int) -> None:

@@ -201,6 +201,12 @@ def train_drafter(target, options: TrainOptions | None = None,
         yield TrainProgress("data", n_seq, n_tok, 0, 0, None, None, elapsed(),
                             min(elapsed() / budget, 1.0))
 
+    if cancel is not None and cancel.is_set() and ckpt is None:
+        # stopped while making data: keep the data, write no untrained head
+        n_seq, n_tok = data_stats()
+        yield TrainProgress("done", n_seq, n_tok, 0, 0, None, None, elapsed(),
+                            min(elapsed() / budget, 1.0))
+        return
     train = [s for s in samples if not s.heldout and s.n_reply > 0]
     heldout = [s for s in samples if s.heldout and s.n_reply > 0]
     if not train:

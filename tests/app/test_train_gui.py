@@ -1,0 +1,73 @@
+"""Chat ▸ Train a Drafter…: progress in the window, a message sent mid-training is answered
+between two slices (training pauses, then continues), Stop saves a head the chat then uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import Qt
+
+from app.ui.worker import ChatSettings
+from engine.drafters.head_io import find_head
+from engine.loading import load_model
+from tests.fixtures.tiny_models import write_tiny_model
+
+TIMEOUT = 180_000
+
+
+@pytest.fixture
+def target(tmp_path: Path) -> Path:
+    return write_tiny_model(tmp_path / "tiny4", num_hidden_layers=4, seed=1)
+
+
+def test_training_progress_pause_on_send_and_stop(qtbot, make_gui, target: Path, data_dir,
+                                                  screenshots_dir: Path) -> None:
+    gui = make_gui(ChatSettings(target=str(target), drafter="auto", max_tokens=16))
+    worker = gui.host.worker
+    log: list[tuple[str, int]] = []
+    worker.training_progressed.connect(lambda p: log.append((p.phase, p.step)))
+    worker.generation_finished.connect(lambda rid, _f: log.append(("reply", rid)))
+    ended: list[tuple] = []
+    worker.training_ended.connect(lambda last, error: ended.append((last, error)))
+    gui.window.show_train_drafter()
+    dialog = gui.window.train_dialog
+    assert dialog is not None and dialog.isVisible()
+    dialog.minutes.setValue(1)  # practice replies for at most 40% of it, then training
+    qtbot.mouseClick(dialog.start_button, Qt.MouseButton.LeftButton)
+    assert dialog.running
+    qtbot.waitUntil(lambda: bool(log), timeout=TIMEOUT)
+    assert log[0][0] == "data"  # practice replies come first
+
+    # a message sent now is answered while the job is still running, and the job goes on
+    edit = gui.window.composer.edit
+    qtbot.keyClicks(edit, "Hello there")
+    qtbot.keyClick(edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: any(ph == "reply" for ph, _ in log), timeout=TIMEOUT)
+    at_reply = next(i for i, (ph, _) in enumerate(log) if ph == "reply")
+    assert at_reply > 0  # the job had made progress before the reply...
+    qtbot.waitUntil(lambda: any(s >= 2 for ph, s in log[at_reply:] if ph != "reply"),
+                    timeout=TIMEOUT)  # ...and went on to train after it
+    steps = [s for ph, s in log if ph != "reply"]
+    assert steps == sorted(steps)  # one job, paused and resumed, never restarted
+    assert "step" in dialog.status.text() and dialog.progress.value() > 0
+    dialog.grab().save(str(screenshots_dir / "train_drafter.png"))
+
+    # Stop (unless the minute ran out already): a checkpoint, then the window says so
+    qtbot.mouseClick(dialog.stop_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: bool(ended) and not dialog.running, timeout=TIMEOUT)
+    last, error = ended[0]
+    assert error == "" and last.phase == "done" and last.checkpoint
+    assert dialog.status.text().startswith(f"Saved after {last.step} steps")
+    assert find_head(load_model(str(target))) is not None
+
+    # the next reply's session carries the head: 'head' drafts with it
+    gui.controller.set_settings(ChatSettings(target=str(target), drafter="head", k=2,
+                                             max_tokens=16))
+    drafters: list[str] = []
+    gui.controller.step_received.connect(lambda _m, step, _s: drafters.append(step.drafter))
+    qtbot.keyClicks(edit, "Again")
+    qtbot.keyClick(edit, Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: not gui.controller.generating and bool(drafters), timeout=TIMEOUT)
+    assert "head" in drafters
+    assert not gui.window.banner.isVisible()
