@@ -45,16 +45,19 @@ class CrashHandler:
         self.dialog: QMessageBox | None = None
         self.count = 0
         self._previous: ExceptHook | None = None
+        self._previous_thread_hook = threading.excepthook
 
     def install(self) -> None:
         self._previous = sys.excepthook
+        self._previous_thread_hook = threading.excepthook
         sys.excepthook = self.handle
         threading.excepthook = self._handle_thread
 
     def uninstall(self) -> None:
         if sys.excepthook == self.handle and self._previous is not None:
             sys.excepthook = self._previous
-        threading.excepthook = threading.__excepthook__
+        if threading.excepthook == self._handle_thread:
+            threading.excepthook = self._previous_thread_hook
 
     def handle(self, exc_type: type[BaseException], exc: BaseException,
                tb: TracebackType | None) -> None:

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from PySide6.QtCore import QTimer
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.cli.launcher import reexec_command
@@ -93,21 +94,26 @@ def _dialogs() -> list[QMessageBox]:
 
 
 def test_uncaught_exception_saves_the_reply_then_shows_the_log(qtbot, make_gui, tiny_pair,
-                                                                tmp_path: Path) -> None:
+                                                                tmp_path: Path,
+                                                                caplog) -> None:
     gui = make_gui(ChatSettings(target=str(tiny_pair[0]), drafter="off", max_tokens=5000))
     qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
     log_path = tmp_path / "understudy.log"
     handler = CrashHandler(gui.controller, log_path, gui.window)
+    hooks_before = (sys.excepthook, threading.excepthook)
     handler.install()
     try:
         assert gui.controller.send("count to a thousand")
         reply_id = gui.window.chat_view.cards[-1].message_id
         qtbot.waitUntil(lambda: len(gui.store.steps(reply_id)) >= 2, timeout=TIMEOUT)
-        try:
+
+        def broken_slot() -> None:
             raise RuntimeError("boom in a slot")
-        except RuntimeError as exc:
-            sys.excepthook(type(exc), exc, exc.__traceback__)
-        assert handler.count == 1
+
+        QTimer.singleShot(0, broken_slot)  # PySide6 hands a slot's exception to sys.excepthook
+        qtbot.waitUntil(lambda: handler.count == 1, timeout=TIMEOUT)
+        [record] = [r for r in caplog.records if r.name == "understudy.crash"]
+        assert record.levelname == "CRITICAL" and str(record.exc_info[1]) == "boom in a slot"
         reply = gui.store.message(reply_id)
         assert reply.status == STOPPED and reply.steps  # saved, and not left "generating"
         [dialog] = _dialogs()
@@ -125,7 +131,8 @@ def test_uncaught_exception_saves_the_reply_then_shows_the_log(qtbot, make_gui, 
         _dialogs()[0].accept()
     finally:
         handler.uninstall()
-    assert sys.excepthook is not handler.handle
+    assert sys.excepthook is hooks_before[0]
+    assert threading.excepthook is hooks_before[1]
 
 
 def test_smoke_run_answers_one_message_then_quits(qtbot, make_gui, tiny_pair) -> None:

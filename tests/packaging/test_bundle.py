@@ -8,6 +8,7 @@ PYTHONPATH) so the bundle has to stand on its own.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -70,6 +71,19 @@ def test_generate_from_the_bundle_prints_the_golden_answer(bundle: Path, tmp_pat
     assert proc.stdout.startswith(GOLDEN_TEXT)
     # the demo model was imported on first run into the app-data dir
     assert (tmp_path / "models" / "demo-smollm2-135m-instruct" / "config.json").is_file()
+
+
+def test_bench_from_the_bundle_reads_its_bundled_prompts(bundle: Path, tmp_path: Path) -> None:
+    """`bench` with no --prompts reads resources/bench/prompts.jsonl inside the bundle."""
+    report = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [str(bundle / "Understudy"), "bench", "--model", "demo", "--limit", "1", "--max-tokens",
+         "4", "--modes", "plain", "--json", str(report)],
+        env=bundle_env(tmp_path), capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    first = json.loads((ROOT / "resources" / "bench" / "prompts.jsonl").read_text()
+                       .splitlines()[0])
+    assert [p["id"] for p in json.loads(report.read_text())["prompts"]] == [first["id"]]
 
 
 def test_bundle_reexecs_itself_with_openblas(bundle: Path, tmp_path: Path) -> None:
