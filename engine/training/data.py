@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zipfile
+import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,9 +113,9 @@ def read_items(path: Path, source: str | None = None) -> list[Item]:
 
 def builtin_items() -> list[Item]:
     """The shipped prompt set (resources/drafter_prompts.jsonl)."""
-    from importlib.resources import files
+    from resources import resource_path
 
-    return read_items(Path(str(files("resources") / "drafter_prompts.jsonl")), "builtin")
+    return read_items(resource_path("drafter_prompts.jsonl"), "builtin")
 
 
 def history_items(conversations: Sequence[Sequence[dict[str, str]]]) -> list[Item]:
@@ -252,32 +252,46 @@ def _sample(item: Item, tokens: np.ndarray, feats: list[np.ndarray], ids: list[n
 # ----------------------------------------------------------------------------- shards
 
 
+SHARD_ARRAYS = ("lengths", "tokens", "features", "top_ids", "top_p")
+
+
 def save_shard(path: Path, samples: Sequence[Sample]) -> None:
-    """Samples -> one .npz, written under a temporary name and renamed (never half)."""
-    lengths = np.array([len(s.features) for s in samples], dtype=np.int64)
-    meta = json.dumps([{"id": s.id, "start": s.start, "heldout": s.heldout}
-                       for s in samples])
+    """Samples -> a shard folder of .npy arrays and meta.json, written under a temporary
+    name and renamed (never half). Plain .npy files load memory-mapped, so the training set
+    stays on disk and in the page cache rather than in the process."""
+    arrays = {
+        "lengths": np.array([len(s.features) for s in samples], dtype=np.int64),
+        "tokens": np.concatenate([s.tokens for s in samples]),
+        "features": np.concatenate([s.features for s in samples]),
+        "top_ids": np.concatenate([s.top_ids for s in samples]),
+        "top_p": np.concatenate([s.top_p for s in samples]),
+    }
     tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("wb") as f:
-        np.savez(f, lengths=lengths, meta=np.array(meta),
-                 tokens=np.concatenate([s.tokens for s in samples]),
-                 features=np.concatenate([s.features for s in samples]),
-                 top_ids=np.concatenate([s.top_ids for s in samples]),
-                 top_p=np.concatenate([s.top_p for s in samples]))
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    for name, value in arrays.items():
+        np.save(tmp / f"{name}.npy", value)
+    (tmp / "meta.json").write_text(json.dumps(
+        [{"id": s.id, "start": s.start, "heldout": s.heldout} for s in samples]))
     os.replace(tmp, path)
 
 
 def load_shard(path: Path) -> list[Sample]:
-    """The samples of one shard; a damaged shard is an error naming it."""
+    """The samples of one shard (arrays memory-mapped); a damaged shard is an error naming
+    it."""
     try:
-        with np.load(path) as z:
-            lengths, meta = z["lengths"], json.loads(str(z["meta"]))
-            tokens, feats, ids, ps = z["tokens"], z["features"], z["top_ids"], z["top_p"]
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+        z = {n: np.load(path / f"{n}.npy", mmap_mode="r") for n in SHARD_ARRAYS}
+        meta = json.loads((path / "meta.json").read_text())
+        lengths = z["lengths"].tolist()
+        if len(meta) != len(lengths) or sum(lengths) != len(z["features"]):
+            raise ValueError("its arrays and meta.json disagree")
+    except (OSError, ValueError, KeyError, TypeError) as e:
         raise EngineError(f"{path}: damaged training data shard ({e}); delete it") from None
     out, o, t = [], 0, 0
-    for n, m in zip(lengths.tolist(), meta, strict=True):
-        out.append(Sample(m["id"], tokens[t : t + n + 1], feats[o : o + n], ids[o : o + n],
-                          ps[o : o + n], int(m["start"]), bool(m["heldout"])))
+    for n, m in zip(lengths, meta, strict=True):
+        out.append(Sample(m["id"], z["tokens"][t : t + n + 1], z["features"][o : o + n],
+                          z["top_ids"][o : o + n], z["top_p"][o : o + n], int(m["start"]),
+                          bool(m["heldout"])))
         o, t = o + n, t + n + 1
     return out

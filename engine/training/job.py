@@ -129,7 +129,7 @@ def init_head(model, hot: np.ndarray, layers: Sequence[int] | None, seed: int) -
 
 def _load_data(data_dir: Path) -> list[Sample]:
     samples: list[Sample] = []
-    for shard in sorted(data_dir.glob("shard-*.npz")):
+    for shard in sorted(data_dir.glob("shard-*[0-9]")):
         samples.extend(load_shard(shard))
     return samples
 
@@ -175,7 +175,7 @@ def train_drafter(target, options: TrainOptions | None = None,
     samples = _load_data(data_dir)
     done = {s.id for s in samples}
     pending = [it for it in items if it.id not in done]
-    n_shard = len(list(data_dir.glob("shard-*.npz")))
+    n_shard = len(list(data_dir.glob("shard-*[0-9]")))
 
     def data_stats() -> tuple[int, int]:
         return len(samples), sum(s.n_reply for s in samples if not s.heldout)
@@ -194,7 +194,7 @@ def train_drafter(target, options: TrainOptions | None = None,
                                      max_new=options.max_new,
                                      temperature=options.temperature,
                                      seed=options.fit.seed * 1000 + r * 100 + n_shard)
-        save_shard(data_dir / f"shard-{n_shard:05d}.npz", made)
+        save_shard(data_dir / f"shard-{n_shard:05d}", made)
         n_shard += 1
         samples.extend(made)
         n_seq, n_tok = data_stats()

@@ -130,15 +130,18 @@ def test_data_file_errors_name_the_line(tmp_path: Path) -> None:
 
 
 def test_shards_round_trip_and_damage_is_named(samples, tmp_path: Path) -> None:
-    path = tmp_path / "shard-00000.npz"
+    path = tmp_path / "shard-00000"
     save_shard(path, samples)
+    assert not list(tmp_path.glob(".*tmp"))
     again = load_shard(path)
     assert [s.id for s in again] == [s.id for s in samples]
     for a, b in zip(samples, again, strict=True):
         assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.features, b.features)
+        assert np.array_equal(a.top_ids, b.top_ids) and np.array_equal(a.top_p, b.top_p)
         assert a.start == b.start and a.heldout == b.heldout
-    path.write_bytes(path.read_bytes()[:100])
-    with pytest.raises(EngineError, match="shard-00000.npz: damaged"):
+    assert isinstance(again[0].features, np.memmap)  # on disk, not in the process
+    (path / "features.npy").write_bytes((path / "features.npy").read_bytes()[:100])
+    with pytest.raises(EngineError, match="shard-00000: damaged"):
         load_shard(path)
 
 
