@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 from app.hub.library import LocalModel
 from engine.compat import Compatibility, check_draft_compatible
 from engine.errors import EngineError
+from resources import resource_path
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def _model(entry: dict) -> CatalogModel:
 def load_catalog(text: str | None = None) -> tuple[RecommendedPair, ...]:
     """The bundled pairs (or those in `text`, for tests)."""
     if text is None:
-        text = resources.files("resources").joinpath("catalog.json").read_text(encoding="utf-8")
+        text = resource_path("catalog.json").read_text(encoding="utf-8")
     try:
         data = json.loads(text)
         return tuple(

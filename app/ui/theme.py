@@ -8,11 +8,11 @@ and code highlighting need.
 
 from __future__ import annotations
 
-from importlib import resources
-
 from PySide6.QtCore import QEvent, QObject
 from PySide6.QtGui import QGuiApplication, QPalette
 from PySide6.QtWidgets import QApplication, QWidget
+
+from resources import resource_path
 
 
 def is_dark(palette: QPalette | None = None) -> bool:
@@ -30,8 +30,8 @@ def widget_is_dark(widget: QWidget) -> bool:
 def style_sheet() -> str:
     """The app's style sheet (palette-relative, so one sheet serves light and dark)."""
     try:
-        return resources.files("resources").joinpath("app.qss").read_text(encoding="utf-8")
-    except (FileNotFoundError, ModuleNotFoundError):
+        return resource_path("app.qss").read_text(encoding="utf-8")
+    except FileNotFoundError:
         return ""
 
 
