@@ -32,6 +32,9 @@ CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT = 2  # 1: unversioned entries keyed without BLAS, device or dtypes
 CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
 BLAS_NAMES = ("blas", "mkl", "blis", "accelerate")  # file names that give a BLAS away
+# numpy's and scipy's own OpenBLAS builds export suffixed symbols (`dgemm_64_`), so they
+# never serve MLX; whether numpy was imported first must not split the cache
+PRIVATE_BLAS = ("libscipy_openblas",)
 
 
 class CalibrationWarning(UserWarning):
@@ -49,7 +52,8 @@ def loaded_blas(maps: Path = Path("/proc/self/maps")) -> str:
     except OSError:
         return "-"
     names = {Path(line.split()[-1]).name for line in lines if "/" in line}
-    found = sorted(n for n in names if ".so" in n and any(b in n.lower() for b in BLAS_NAMES))
+    found = sorted(n for n in names if ".so" in n and any(b in n.lower() for b in BLAS_NAMES)
+                   and not n.startswith(PRIVATE_BLAS))
     return "+".join(found) or "none"
 
 

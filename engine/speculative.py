@@ -110,8 +110,9 @@ def speculative_steps(
             context.append(token)
             # A model's choice stands, and so does prompt lookup's when it guessed this token
             # right (the copy is on: its next tokens are the draft the wait was paid for).
-            # A wrong guess says the text is not being copied here: no fresh gamble.
-            carried = Choice(None, 0) if guessed is False else choice
+            # A wrong guess says the text is not being copied here: no fresh gamble — except
+            # for a cost probe, which is there to time a wide pass: it drafts afresh.
+            carried = Choice(None, 0) if guessed is False and not choice.probe else choice
             yield RawStep([token], [TokenKind.TARGET], [prob],
                           verify_s=time.perf_counter() - t_start, drafter="none")
             continue

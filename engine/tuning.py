@@ -66,12 +66,12 @@ class CostModel:
         than DRIFT_FRACTION (that entry was timed some other time); later ones are smoothed.
         """
         old = self.verify_s.get(width)
-        if old is None or (width not in self._tested and _strays(seconds, old)):
-            if old is not None:
+        if width not in self._tested:
+            old = self.verify(width)  # what the table says, caps included
+            if _strays(seconds, old):
                 self.corrections.append((width, old, seconds))
-            self.verify_s[width] = seconds
-        else:
-            self.verify_s[width] = old + COST_EMA * (seconds - old)
+                old = seconds
+        self.verify_s[width] = old + COST_EMA * (seconds - old)
         self._tested.add(width)
         if width == 1:
             self._check_anchor()
@@ -85,9 +85,9 @@ class CostModel:
             return
         ratio = now / self._anchor
         self.corrections.append((1, self._anchor, now))
-        for w in self.verify_s:
-            if w != 1:
-                self.verify_s[w] *= ratio
+        # what tested widths taught (caps on stale entries) is kept, then scaled
+        self.verify_s[1] = self._anchor
+        self.verify_s = {w: sec * ratio for w, sec in self._points()}
         self._anchor = now
         self._tested = {1}
 
@@ -264,6 +264,7 @@ class DraftPolicy:
         self.fixed_k = fixed_k
         self.ngram_match = ngram_match
         self.memory = memory if memory is not None else PolicyMemory()
+        self.cost_probes = COST_PROBES  # read when the policy is made (one per reply)
         self._guess: tuple[str, int] | None = None  # (estimate key, guessed next token)
 
     @property
@@ -364,7 +365,7 @@ class DraftPolicy:
         last one cost once timed; the first may come at once.
         """
         costs = self.costs
-        if not COST_PROBES or costs is None or self.fixed_k is not None:
+        if not self.cost_probes or costs is None or self.fixed_k is not None:
             return None
         last = self.memory.cost_probe
         if last is not None:
@@ -385,8 +386,7 @@ class DraftPolicy:
                 if best_k(OPTIMISTIC_ACCEPTANCE, draft_s, flat, probe_k, True)[0] == 0:
                     continue
             if probe_k > k and not costs.tested(probe_k + 1):
-                # a probe whose pass never runs (a wrong guess of the pending token ends
-                # it) costs next to nothing; `update` prices one that runs
+                # `update` prices the probe's pass once it has run
                 self.memory.cost_probe = (self.memory.steps, 0.0)
                 return Choice(name, probe_k, key, probe=True)
         return None

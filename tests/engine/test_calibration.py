@@ -26,6 +26,7 @@ from tests.fixtures.tiny_models import write_tiny_pair
 
 REFERENCE_BLAS = "/opt/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblasp-r0.3.21.so"
+NUMPY_BLAS = "/opt/venv/site-packages/numpy.libs/libscipy_openblas64_-32a4b2a6.so"
 
 
 @pytest.fixture
@@ -54,7 +55,7 @@ def maps_file(tmp_path: Path, *libraries: str) -> Path:
 
 def test_loaded_blas_names_the_libraries_mapped_into_the_process(tmp_path: Path) -> None:
     bundled = loaded_blas(maps_file(tmp_path, REFERENCE_BLAS))
-    preloaded = loaded_blas(maps_file(tmp_path, REFERENCE_BLAS, OPENBLAS))
+    preloaded = loaded_blas(maps_file(tmp_path, REFERENCE_BLAS, OPENBLAS, NUMPY_BLAS))
     assert bundled == "libblas-bd8a282c.so.3.10.0"
     assert preloaded == "libblas-bd8a282c.so.3.10.0+libopenblasp-r0.3.21.so"
     assert loaded_blas(maps_file(tmp_path)) == "none"

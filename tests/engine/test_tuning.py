@@ -314,6 +314,13 @@ def test_one_live_pass_of_a_wide_width_caps_every_stale_entry_below_it() -> None
     assert costs.corrections == [(16, STALE[16], TRUE[16])]
 
 
+def test_a_live_pass_between_calibrated_widths_corrects_the_curve_too() -> None:
+    costs = CostModel(dict(STALE))
+    costs.observe(7, true_cost(7))  # 7 was never calibrated: the curve said ~10x
+    assert costs.corrections == [(7, pytest.approx(10 * true_cost(7)), true_cost(7))]
+    assert costs.verify(4) <= costs.verify(7) == pytest.approx(true_cost(7))
+
+
 def test_a_first_timing_near_the_table_is_smoothed_not_taken_whole() -> None:
     costs = CostModel({1: 0.100, 8: 0.200})
     costs.observe(8, 0.200 * (1 + DRIFT_FRACTION * 0.9))
@@ -330,6 +337,17 @@ def test_width_one_drift_rescales_the_curve_and_marks_other_widths_untested() ->
     assert costs.verify(16) == pytest.approx(2 * TRUE[16], rel=0.25)
     assert not costs.tested(2)
     assert [c[0] for c in costs.corrections][:1] == [1]
+
+
+def test_a_rescale_keeps_what_tested_widths_taught() -> None:
+    costs = CostModel(dict(STALE))
+    costs.observe(1, TRUE[1])
+    costs.observe(16, TRUE[16])  # caps the stale widths below it
+    for _ in range(30):
+        costs.observe(1, 2 * TRUE[1])
+    assert not costs.tested(2)
+    assert all(costs.verify(w) <= 2.1 * TRUE[16] for w in range(1, 17))
+    assert costs.verify(1) <= costs.verify(2)
 
 
 def test_width_one_noise_within_the_fraction_leaves_the_curve_alone() -> None:
