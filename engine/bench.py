@@ -239,6 +239,15 @@ def _format_row(r: dict) -> str:
             f"{interval}")
 
 
+def describe_corrections(corrections: Sequence[tuple[int, float, float]],
+                         shown: int = 6) -> str:
+    """One line saying how live passes corrected the calibrated cost table, so a user whose
+    speedup moved knows why (a stale calibration.json, or the machine's load changed)."""
+    parts = [f"width {w}: {old:.3f} s -> {new:.3f} s" for w, old, new in corrections[:shown]]
+    more = f" (+{len(corrections) - shown} more)" if len(corrections) > shown else ""
+    return "cost table corrected by live passes: " + ", ".join(parts) + more
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """`understudy bench`: print a table, optionally write the JSON report."""
     from engine.loading import load_model
@@ -277,6 +286,8 @@ def run_cli(args: argparse.Namespace) -> int:
         o = report["overall"]
         print(f"mlx-lm plain decode {_fmt(o['mlx_lm_plain_tps'])} tok/s; ours/mlx-lm "
               f"x{_fmt(o['plain_vs_mlx_lm'], '.2f')}")
+    if session.costs is not None and session.costs.corrections:
+        print(describe_corrections(session.costs.corrections), file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.bench import describe_corrections
 from engine.calibration import (
     CALIBRATION_FORMAT,
     CALIBRATION_WIDTHS,
@@ -162,3 +163,10 @@ def test_measure_costs_on_a_tiny_pair(tmp_path: Path) -> None:
     assert all(s > 0 for s in costs.verify_s.values())
     assert costs.draft_s["ngram"] == 0.0
     assert costs.draft_s["model"] > 0 and costs.draft_s["layerskip"] > 0
+
+
+def test_the_bench_says_how_live_passes_corrected_the_table() -> None:
+    line = describe_corrections([(16, 2.0301, 0.2049), (1, 0.18, 0.25)])
+    assert line == ("cost table corrected by live passes: width 16: 2.030 s -> 0.205 s, "
+                    "width 1: 0.180 s -> 0.250 s")
+    assert describe_corrections([(2, 1.0, 0.1)] * 8, shown=6).endswith("(+2 more)")
