@@ -31,7 +31,6 @@ from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.stopping import StopMatcher
-from engine.tree_policy import TREE_MODES
 from engine.tuning import AcceptanceEstimate, CostModel, DraftPolicy, PolicyMemory
 
 DRAFTERS = ("none", "model", "ngram", "layerskip", "head", "auto")
@@ -49,7 +48,6 @@ class GenerateOptions:
     drafter: str = "none"
     k: int | None = None  # draft length; None = adaptive
     accept: str = "coupled"
-    tree: str = "auto"  # draft trees: "auto" (the policy's call) or "off" (chains only)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "prefill_chunk"):
@@ -62,8 +60,6 @@ class GenerateOptions:
             raise EngineError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if self.accept not in ACCEPT_RULES:
             raise EngineError(f"accept must be one of {', '.join(ACCEPT_RULES)}, got {self.accept!r}")
-        if self.tree not in TREE_MODES:
-            raise EngineError(f"tree must be one of {', '.join(TREE_MODES)}, got {self.tree!r}")
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
                                    or self.k < 1):
             raise EngineError(f"k must be at least 1 (or auto), got {self.k}")
@@ -101,16 +97,6 @@ class ChatSession:
             self._drafters["head"] = HeadDrafter(head, target.model, self.caches_tgt)
         self._costs: CostModel | None = None
         self._policy_memory: dict[str, PolicyMemory] = {}  # per drafter mode, across replies
-
-    @property
-    def costs(self) -> CostModel | None:
-        """The pass-cost model adaptive replies use (None until the first one calibrates)."""
-        return self._costs
-
-    @property
-    def costs(self) -> CostModel | None:
-        """The pass-cost model adaptive replies use (None until the first one calibrates)."""
-        return self._costs
 
     @property
     def context_window(self) -> int:
@@ -253,8 +239,7 @@ class ChatSession:
                                 options.sampling)
         else:
             steps = speculative_steps(self.target.model, self.caches_tgt, context, logits,
-                                      options.sampling, options.accept, self._drafters, policy,
-                                      tree=options.tree)
+                                      options.sampling, options.accept, self._drafters, policy)
         yield from self._drive(steps, context, len(prompt_ids), options, cancel, stats)
 
     def _drive(
@@ -280,11 +265,9 @@ class ChatSession:
             for raw in steps:
                 tokens: list[Token] = []
                 eos_token: Token | None = None
-                branches = raw.branches or [""] * len(raw.ids)
-                for tid, kind, prob, branch in zip(raw.ids, raw.kinds, raw.probs, branches,
-                                                   strict=True):
+                for tid, kind, prob in zip(raw.ids, raw.kinds, raw.probs, strict=True):
                     if not kind.committed:
-                        tokens.append(Token(tid, tok.token_text(tid), kind, prob, branch))
+                        tokens.append(Token(tid, tok.token_text(tid), kind, prob))
                         continue
                     if tid in eos:
                         finish = "eos"
@@ -332,7 +315,7 @@ class ChatSession:
                 self.stats = stats
                 if shown:
                     yield Step(tuple(tokens), raw.n_drafted, raw.n_accepted, raw.draft_s,
-                               raw.verify_s, raw.k, raw.drafter, raw.error)
+                               raw.verify_s, raw.k, raw.drafter)
                 if finish is not None:
                     break
         finally:
