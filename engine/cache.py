@@ -82,6 +82,9 @@ class PreallocatedKVCache:
         if self.keys is None or not keep:
             self.trim(start)
             return
+        if list(keep) == list(range(len(keep))):  # a chain's prefix: nothing to move
+            self.trim(start + len(keep))
+            return
         assert self.values is not None
         idx = mx.array([start + i for i in keep])
         end = start + len(keep)

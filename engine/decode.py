@@ -31,6 +31,7 @@ from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.stopping import StopMatcher
+from engine.tree_policy import TREE_MODES
 from engine.tuning import AcceptanceEstimate, CostModel, DraftPolicy, PolicyMemory
 
 DRAFTERS = ("none", "model", "ngram", "layerskip", "head", "auto")
@@ -48,6 +49,7 @@ class GenerateOptions:
     drafter: str = "none"
     k: int | None = None  # draft length; None = adaptive
     accept: str = "coupled"
+    tree: str = "auto"  # draft trees: "auto" (the policy's call) or "off" (chains only)
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "prefill_chunk"):
@@ -60,6 +62,8 @@ class GenerateOptions:
             raise EngineError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if self.accept not in ACCEPT_RULES:
             raise EngineError(f"accept must be one of {', '.join(ACCEPT_RULES)}, got {self.accept!r}")
+        if self.tree not in TREE_MODES:
+            raise EngineError(f"tree must be one of {', '.join(TREE_MODES)}, got {self.tree!r}")
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
                                    or self.k < 1):
             raise EngineError(f"k must be at least 1 (or auto), got {self.k}")
@@ -239,7 +243,8 @@ class ChatSession:
                                 options.sampling)
         else:
             steps = speculative_steps(self.target.model, self.caches_tgt, context, logits,
-                                      options.sampling, options.accept, self._drafters, policy)
+                                      options.sampling, options.accept, self._drafters, policy,
+                                      tree=options.tree)
         yield from self._drive(steps, context, len(prompt_ids), options, cancel, stats)
 
     def _drive(
@@ -265,9 +270,11 @@ class ChatSession:
             for raw in steps:
                 tokens: list[Token] = []
                 eos_token: Token | None = None
-                for tid, kind, prob in zip(raw.ids, raw.kinds, raw.probs, strict=True):
+                branches = raw.branches or [""] * len(raw.ids)
+                for tid, kind, prob, branch in zip(raw.ids, raw.kinds, raw.probs, branches,
+                                                   strict=True):
                     if not kind.committed:
-                        tokens.append(Token(tid, tok.token_text(tid), kind, prob))
+                        tokens.append(Token(tid, tok.token_text(tid), kind, prob, branch))
                         continue
                     if tid in eos:
                         finish = "eos"
@@ -315,7 +322,7 @@ class ChatSession:
                 self.stats = stats
                 if shown:
                     yield Step(tuple(tokens), raw.n_drafted, raw.n_accepted, raw.draft_s,
-                               raw.verify_s, raw.k, raw.drafter)
+                               raw.verify_s, raw.k, raw.drafter, raw.error)
                 if finish is not None:
                     break
         finally:

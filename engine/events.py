@@ -30,13 +30,15 @@ class Token:
 
     `text` is the exact text this token adds to the reply (empty while a multi-byte
     character is incomplete; the completing token carries it). `prob` is the target's
-    probability of this token (None where it was not computed).
+    probability of this token (None where it was not computed). `branch` names the draft
+    tree branch a rejected token came from ("" for a chain's tokens).
     """
 
     id: int
     text: str
     kind: TokenKind
     prob: float | None = None
+    branch: str = ""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,7 @@ class Step:
     verify_s: float = 0.0
     k: int = 0  # draft length asked for in this step (0 for plain decoding)
     drafter: str = "none"
+    error: str = ""  # why this step fell back to a plain step (a malformed draft), if it did
 
     @property
     def committed(self) -> tuple[Token, ...]:

@@ -12,6 +12,13 @@ The loop is in one of two states between steps:
 * unfed: the caches hold `context[:-1]`; the newest token (the replaced or bonus token of
   the last verification) goes into the next pass, in front of the drafts.
 
+A draft may be a tree (engine/tree.py): its pass writes a row per node after the
+committed rows, the coupled walk takes the branch the target's own samples follow, and one
+gather moves that path's rows into place (`commit_path`); a chain is the degenerate tree
+and takes the same steps. A malformed tree is refused before the pass: the step runs as a
+plain step and says why in its `error`. Under the rejection rule, and with trees off, a
+tree is cut to its first chain.
+
 Drafts are only ever verified from the unfed state. When the policy wants to draft while
 logits are pending, the step first reads the pending token and commits it (a plain step
 that skips queuing its own pass), which leaves the loop unfed; the drafts then ride in one
@@ -28,30 +35,65 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import mlx.core as mx
 
-from engine.cache import KVCache, trim_caches
+from engine.cache import KVCache
 from engine.drafters.base import Draft, Drafter
 from engine.events import TokenKind
 from engine.sampling import SamplingParams, log_probs
 from engine.steps import RawStep, forward, pipelined_step, sample_next
+from engine.tree import ROOT, DraftTree, TreeError, validate_tree
+from engine.tree_policy import EXTRA_NODES, TreeStats, prune_tree
+from engine.tree_verify import (
+    TreeVerdict,
+    chain_for_rejection,
+    commit_path,
+    tree_pass,
+    verify_tree_coupled,
+)
 from engine.tuning import Choice, DraftPolicy
-from engine.verify import Verdict, verify_coupled_logits, verify_rejection
+from engine.verify import verify_coupled_logits, verify_rejection
 
 
 def draft_step(drafter: Drafter | None, choice: Choice, context: Sequence[int],
-               sampling: SamplingParams, accept: str) -> Draft:
-    """Ask the chosen drafter for up to `choice.k` tokens (none for a plain step)."""
+               sampling: SamplingParams, accept: str, tree_extra: int = 0) -> Draft:
+    """Ask the chosen drafter for up to `choice.k` tokens (none for a plain step); a tree
+    source with up to `tree_extra` more nodes where it has alternatives."""
     if drafter is None or choice.k <= 0:
         return Draft(())
+    propose_tree = getattr(drafter, "propose_tree", None)
+    if tree_extra > 0 and propose_tree is not None:
+        return propose_tree(context, choice.k, tree_extra)
     return drafter.propose(context, choice.k, sampling, accept)
 
 
-def verify_step(model, caches: Sequence[KVCache], context: Sequence[int], draft: Draft,
-                sampling: SamplingParams, accept: str) -> Verdict:
-    """One target pass over [last, d1..dK]; returns the accepted prefix plus one token.
+def checked_draft(draft: Draft, vocab_size: int, k: int, accept: str, tree: str) -> Draft:
+    """The draft as it will be verified, or `TreeError` saying why it cannot be.
 
-    The caches gain K+1 rows, which the caller trims to the committed length.
+    A tree must stay within `k` deep and `k + EXTRA_NODES` nodes, with ids the target has.
+    (A chain may hold ids past the target's vocabulary: a draft model's padded embedding
+    proposes them, and they are simply rejected.) The rejection rule and trees "off"
+    verify a tree's first chain.
+    """
+    if draft.parents is None:
+        validate_tree(draft.tree, 2**31, k, k)
+        return draft
+    validate_tree(draft.tree, vocab_size, k + EXTRA_NODES, k)
+    if accept == "coupled" and tree == "auto":
+        return draft
+    n = chain_for_rejection(draft.tree)
+    return Draft(draft.ids[:n], None if draft.logq is None else draft.logq[:n])
+
+
+def verify_step(model, caches: Sequence[KVCache], context: Sequence[int], draft: Draft,
+                sampling: SamplingParams, accept: str) -> TreeVerdict:
+    """One target pass over [last, *nodes]; returns the accepted path plus one token.
+
+    The caches gain 1 + N rows after the committed ones; `commit_path` keeps the path's.
     """
     t0 = len(context)
+    tree = draft.tree
+    if not tree.is_chain:  # coupled only (`checked_draft`)
+        logits = tree_pass(model, caches, context[-1], tree)
+        return verify_tree_coupled(logits, tree, context, sampling)
     # A draft model with a padded embedding may propose ids the target has no row for:
     # feed a stand-in (such a draft is always rejected, so later rows are never used).
     vocab = model.args.vocab_size
@@ -62,9 +104,11 @@ def verify_step(model, caches: Sequence[KVCache], context: Sequence[int], draft:
         base = list(context)
         histories = [base + list(draft.ids[:i]) for i in range(len(draft) + 1)]
     if accept == "coupled":
-        return verify_coupled_logits(logits, sampling, histories, draft.ids, t0)
-    logp = log_probs(logits, sampling, histories)
-    return verify_rejection(logp, draft.ids, draft.logq, sampling.seed, t0)
+        verdict = verify_coupled_logits(logits, sampling, histories, draft.ids, t0)
+    else:
+        logp = log_probs(logits, sampling, histories)
+        verdict = verify_rejection(logp, draft.ids, draft.logq, sampling.seed, t0)
+    return TreeVerdict.from_chain(verdict)
 
 
 def step_kinds(n_drafted: int, n_accepted: int) -> list[TokenKind]:
@@ -77,6 +121,27 @@ def step_kinds(n_drafted: int, n_accepted: int) -> list[TokenKind]:
     return kinds + [TokenKind.BONUS]
 
 
+def verified_step(tree: DraftTree, verdict: TreeVerdict) -> tuple[list[int], list[TokenKind],
+                                                                   list[float | None],
+                                                                   list[str] | None]:
+    """Display order of a verified tree: the accepted path, every other node as a rejected
+    ghost (named by its branch), then the target's token (BONUS after a leaf)."""
+    path = verdict.path
+    on_path = set(path)
+    rest = [j for j in range(len(tree)) if j not in on_path]
+    leaf = not tree.children.get(path[-1] if path else ROOT)
+    order = [*path, *rest]
+    ids = [tree.ids[j] for j in order] + [verdict.token]
+    kinds = ([TokenKind.ACCEPTED] * len(path) + [TokenKind.REJECTED] * len(rest)
+             + [TokenKind.BONUS if leaf else TokenKind.REPLACED])
+    probs: list[float | None] = [*(verdict.node_probs[j] for j in order), verdict.token_prob]
+    branches = None
+    if not tree.is_chain:
+        names = tree.branch_names()
+        branches = [""] * len(path) + [names[j] for j in rest] + [""]
+    return ids, kinds, probs, branches
+
+
 def speculative_steps(
     model,
     caches: Sequence[KVCache],
@@ -86,14 +151,18 @@ def speculative_steps(
     accept: str,
     drafters: Mapping[str, Drafter],
     policy: DraftPolicy,
+    tree: str = "auto",
 ) -> Iterator[RawStep]:
     """Draft-and-verify until the consumer stops iterating.
 
     `logits` are the target's logits for the next position with every context token cached
     (after a full prefill), or None when the caches hold `context[:-1]`. `context` is
-    appended to with every committed token.
+    appended to with every committed token. `tree`: "auto" lets tree sources branch where
+    the cost curve says the extra rows pay (`prune_tree`); "off" keeps every draft a chain.
     """
     pending = logits
+    tree_stats = TreeStats()
+    tree_extra = EXTRA_NODES if tree == "auto" and accept == "coupled" else 0
     carried: Choice | None = None  # the choice a pending read was made for, kept past it
     while True:
         choice = carried or policy.choose(context, pending is not None)
@@ -116,7 +185,18 @@ def speculative_steps(
             yield RawStep([token], [TokenKind.TARGET], [prob],
                           verify_s=time.perf_counter() - t_start, drafter="none")
             continue
-        draft = draft_step(drafter, choice, context, sampling, accept)
+        draft = draft_step(drafter, choice, context, sampling, accept, tree_extra)
+        error = ""
+        try:
+            draft = checked_draft(draft, model.args.vocab_size, choice.k, accept, tree)
+        except TreeError as e:
+            error, draft = f"{choice.drafter}: {e}; ran a plain step instead", Draft(())
+        costs = getattr(policy, "costs", None)  # a scripted policy in tests has none
+        if draft.parents is not None and costs is not None:
+            est = policy.estimates.get(choice.estimate or "")
+            pruned = prune_tree(draft.tree, est.alpha if est else 0.5, tree_stats.alt.alpha,
+                                costs, costs.draft_s.get(choice.drafter or "", 0.0))
+            draft = Draft(pruned.ids, None, None if pruned.is_chain else pruned.parents)
         t_drafted = time.perf_counter()
         if not draft.ids:
             # a plain step, pipelined like plain decoding: queue the next pass before
@@ -131,20 +211,26 @@ def speculative_steps(
             step_s = t_end - t_start if from_pending else None
             policy.update(choice, 0, 0, step_s, 1, step_s, 1)
             yield RawStep([token], [TokenKind.TARGET], [prob], verify_s=t_end - t_drafted,
-                          drafter="none")
+                          drafter="none", error=error)
             continue
+        shape = draft.tree
         verdict = verify_step(model, caches, context, draft, sampling, accept)
-        n = verdict.n_accepted
+        n = len(verdict.path)
+        accepted = [shape.ids[j] for j in verdict.path]
         if choice.drafter != "ngram":  # a prompt-lookup draft is scored by `update`
-            policy.observe(draft.ids[0] if n else verdict.token)
-        trim_caches(caches, len(context) + n)
-        context.extend([*draft.ids[:n], verdict.token])
+            policy.observe(accepted[0] if n else verdict.token)
+        commit_path(model, caches, len(context) - 1, verdict.path)
+        context.extend([*accepted, verdict.token])
         assert drafter is not None
         drafter.commit(context)
+        tree_stats.observe(shape, verdict.path)
+        ids, kinds, probs, branches = verified_step(shape, verdict)
         t_end = time.perf_counter()
-        policy.update(choice, len(draft), n, t_end - t_drafted, len(draft) + 1,
+        # the acceptance estimate sees the branch the walk took: a rejection unless it
+        # ended at a leaf
+        n_branch = n if kinds[-1] is TokenKind.BONUS else n + 1
+        policy.update(choice, n_branch, n, t_end - t_drafted, len(shape) + 1,
                       t_end - t_start, n + 1)
-        yield RawStep(list(draft.ids) + [verdict.token], step_kinds(len(draft), n),
-                      [*verdict.draft_probs, verdict.token_prob], n_drafted=len(draft),
-                      n_accepted=n, draft_s=t_drafted - t_start, verify_s=t_end - t_drafted,
-                      k=choice.k, drafter=choice.drafter or "none")
+        yield RawStep(ids, kinds, probs, n_drafted=len(shape), n_accepted=n,
+                      draft_s=t_drafted - t_start, verify_s=t_end - t_drafted,
+                      k=choice.k, drafter=choice.drafter or "none", branches=branches)

@@ -30,6 +30,8 @@ class RawStep:
     verify_s: float = 0.0
     k: int = 0
     drafter: str = "none"
+    branches: list[str] | None = None  # per id: its draft tree branch ("" on the chain)
+    error: str = ""  # a malformed draft the step refused (it ran as a plain step)
 
 
 def forward(model, ids: Sequence[int], caches: Sequence[KVCache]) -> mx.array:

@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from engine.cache import KVCache, cache_length, trim_caches
 from engine.sampling import SamplingParams
+from engine.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -22,13 +23,22 @@ class Draft:
     """Proposed tokens and, for model drafters, their log-distributions (n, V).
 
     `logq` None means the drafter is deterministic: verification treats q as one-hot.
+    `parents` makes the tokens a draft tree (depth-first, `engine.tree.DraftTree`); None is
+    a chain, the degenerate tree.
     """
 
     ids: tuple[int, ...]
     logq: mx.array | None = None
+    parents: tuple[int, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def tree(self) -> DraftTree:
+        if self.parents is None:
+            return DraftTree.chain(self.ids)
+        return DraftTree(tuple(self.ids), tuple(self.parents))
 
 
 class Drafter(Protocol):

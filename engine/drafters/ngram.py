@@ -3,6 +3,11 @@
 When a reply repeats the prompt (code editing, summaries that quote), the longest suffix of
 the context that occurred before predicts long runs of tokens for free. Deterministic, so
 verification treats its q as one-hot.
+
+As a tree source (`propose_tree`), the other earlier matches of the suffix (and of shorter
+suffixes) add branches where their continuations diverge from the most recent one's: an
+edited line repeated from the prompt continues either as the old line did or as the last
+edit did, and one pass checks both.
 """
 
 from __future__ import annotations
@@ -12,6 +17,9 @@ from dataclasses import dataclass, field
 
 from engine.drafters.base import Draft
 from engine.sampling import SamplingParams
+from engine.tree import ROOT, DraftTree
+
+ALT_SOURCES = 4  # earlier matches per suffix length a tree takes branches from
 
 
 @dataclass
@@ -32,6 +40,9 @@ class NgramDrafter:
     # _index[n - min_n]: n-gram -> latest start i that has a token after it (i + n < len)
     _index: list[dict[tuple[int, ...], int]] = field(default_factory=list, init=False,
                                                       repr=False)
+    # _starts[n - min_n]: n-gram -> every start with a token after it, oldest first
+    _starts: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list, init=False,
+                                                            repr=False)
 
     def match(self, context: Sequence[int], k: int) -> tuple[int, ...]:
         """The tokens following the best earlier match of a suffix, at most `k` of them."""
@@ -59,16 +70,47 @@ class NgramDrafter:
             ids, n_old = self._ids, 0
         if not self._index:
             self._index = [{} for _ in range(self.min_n, self.max_n + 1)]
+            self._starts = [{} for _ in range(self.min_n, self.max_n + 1)]
         ids.extend(context[n_old:])
         for j in range(max(n_old, self.min_n), len(ids)):
             # token j now follows the n-grams that end just before it
             for n in range(self.min_n, min(self.max_n, j) + 1):
-                self._index[n - self.min_n][tuple(ids[j - n : j])] = j - n
+                gram = tuple(ids[j - n : j])
+                self._index[n - self.min_n][gram] = j - n
+                self._starts[n - self.min_n].setdefault(gram, []).append(j - n)
         return ids
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
                 accept: str) -> Draft:
         return Draft(self.match(context, k))
+
+    def propose_tree(self, context: Sequence[int], k: int, extra: int) -> Draft:
+        """The chain `propose` drafts, plus up to `extra` nodes where other earlier matches
+        continue differently (most recent first, longest suffix first)."""
+        main, n = self.match_with_length(context, k)
+        if not main or extra <= 0:
+            return Draft(main)
+        k = len(main)
+        ids, n_ctx = self._ids, len(context)
+        tokens, parents = list(main), list(range(-1, len(main) - 1))
+        kids: dict[int, dict[int, int]] = {p: {t: p + 1} for p, t in
+                                           zip(parents, tokens, strict=True)}
+        for m in range(n, self.min_n - 1, -1):
+            starts = self._starts[m - self.min_n].get(tuple(ids[n_ctx - m :]), [])
+            for i in reversed(starts[-ALT_SOURCES:]):
+                node = ROOT
+                for tok in ids[i + m : i + m + k]:
+                    child = kids.setdefault(node, {}).get(tok)
+                    if child is None:
+                        if extra <= 0:
+                            break
+                        extra -= 1
+                        child = len(tokens)
+                        tokens.append(tok)
+                        parents.append(node)
+                        kids[node][tok] = child
+                    node = child
+        return Draft(*_depth_first(tokens, parents))
 
     def commit(self, context: Sequence[int]) -> None:
         return None
@@ -76,3 +118,25 @@ class NgramDrafter:
     def reset(self) -> None:
         self._ids = []
         self._index = []
+        self._starts = []
+
+
+def _depth_first(tokens: list[int], parents: list[int]) -> tuple[tuple[int, ...], None,
+                                                                   tuple[int, ...] | None]:
+    """(ids, logq None, parents) of a tree given in insertion order, renumbered depth-first
+    (children in insertion order, so the first chain stays the most recent match's);
+    parents None when it is a chain."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    out_ids: list[int] = []
+    out_parents: list[int] = []
+    stack = [(c, ROOT) for c in reversed(children.get(ROOT, []))]
+    while stack:
+        node, new_parent = stack.pop()
+        index = len(out_ids)
+        out_ids.append(tokens[node])
+        out_parents.append(new_parent)
+        stack.extend((c, index) for c in reversed(children.get(node, [])))
+    tree = DraftTree(tuple(out_ids), tuple(out_parents))
+    return tree.ids, None, None if tree.is_chain else tree.parents

@@ -189,8 +189,11 @@ class Attention(nn.Module):
         self._base = None if self._freqs is not None else args.rope_theta
 
     def __call__(
-        self, x: mx.array, mask: mx.array | str | None = None, cache: KVCache | None = None
+        self, x: mx.array, mask: mx.array | str | None = None, cache: KVCache | None = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
+        """`positions` (L,) int32: each row's absolute position (a draft tree's nodes sit at
+        committed length + depth); None means consecutive from the cache's length."""
         B, L, D = x.shape
         q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
         k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
@@ -201,15 +204,23 @@ class Attention(nn.Module):
         k = k.transpose(0, 2, 1, 3)  # (B, kv_heads, L, head_dim)
         v = v.transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        q = mx.fast.rope(q, self.head_dim, traditional=False, base=self._base, scale=1.0,
-                         offset=offset, freqs=self._freqs)
-        k = mx.fast.rope(k, self.head_dim, traditional=False, base=self._base, scale=1.0,
-                         offset=offset, freqs=self._freqs)
+        q, k = self._rope(q, offset, positions), self._rope(k, offset, positions)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, heads * head_dim)
         return self.o_proj(out)
+
+    def _rope(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
+        """RoPE over (B, heads, L, head_dim) at offset.., or at `positions` per row: the rows
+        go through the same kernel as a batch of one-row sequences with their own offsets."""
+        if positions is None:
+            return mx.fast.rope(x, self.head_dim, traditional=False, base=self._base,
+                                scale=1.0, offset=offset, freqs=self._freqs)
+        rows = x.transpose(2, 1, 0, 3)  # (L, heads, B, head_dim): one row per "batch"
+        rows = mx.fast.rope(rows, self.head_dim, traditional=False, base=self._base,
+                            scale=1.0, offset=positions, freqs=self._freqs)
+        return rows.transpose(2, 1, 0, 3)
 
 
 class MLP(nn.Module):
@@ -233,9 +244,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
-        self, x: mx.array, mask: mx.array | str | None = None, cache: KVCache | None = None
+        self, x: mx.array, mask: mx.array | str | None = None, cache: KVCache | None = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+        h = x + self.self_attn(self.input_layernorm(x), mask, cache, positions)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -253,8 +265,10 @@ class Backbone(nn.Module):
         cache: list[KVCache] | None = None,
         n_layers: int | None = None,
         capture: Capture | None = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
-        """`capture`: layer index -> filled with that layer's input hidden state (B, L, D)."""
+        """`capture`: layer index -> filled with that layer's input hidden state (B, L, D).
+        `positions`: per-row RoPE positions (see `Attention`), with an explicit `mask`."""
         B, L = inputs.shape
         h = self.embed_tokens(inputs)  # (B, L, D)
         if mask is None and L > 1:
@@ -263,7 +277,7 @@ class Backbone(nn.Module):
         for i, layer in enumerate(layers):
             if capture is not None and i in capture:
                 capture[i] = h
-            h = layer(h, mask, cache[i] if cache is not None else None)
+            h = layer(h, mask, cache[i] if cache is not None else None, positions)
         return self.norm(h)
 
 
@@ -291,6 +305,7 @@ class Model(nn.Module):
         cache: list[KVCache] | None = None,
         n_layers: int | None = None,
         capture: Capture | None = None,
+        positions: mx.array | None = None,
     ) -> mx.array:
         """Run the first `n_layers` layers (all by default), then the final norm and head.
 
@@ -298,13 +313,14 @@ class Model(nn.Module):
         `capture` (layer index -> None) is filled with those layers' input hidden states: the
         trained head's features. A full pass through caches that a `FeatureTap` watches
         records them there too (the verify pass's side output; no tap, no extra work).
+        A draft tree's pass gives `mask` (ancestors only) and `positions` (engine/tree.py).
         """
         tap = None
         if capture is None and n_layers is None and cache and self.feature_taps:
             tap = self.feature_taps.find(cache[0])
             if tap is not None:
                 capture, start = dict.fromkeys(tap.layers), cache[0].offset
-        h = self.model(inputs, mask, cache, n_layers, capture)
+        h = self.model(inputs, mask, cache, n_layers, capture, positions)
         if tap is not None:
             assert capture is not None
             tap.record(start, capture)

@@ -68,6 +68,18 @@ class FeatureTap:
             if s + rows.shape[0] > length:
                 self._chunks[-1] = (s, rows[: length - s])
 
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Keep the rows of positions start + i for i in `keep` as start, start + 1, ...: a
+        draft tree's pass recorded every node; the accepted path's rows move into place."""
+        end = start + (max(keep) + 1 if keep else 0)
+        if self.length < end or start < (self._chunks[0][0] if self._chunks else 0):
+            self.truncate(start)
+            return
+        rows = self.rows(start, end)[mx.array(keep)] if keep else None
+        self.truncate(start)
+        if rows is not None:
+            self._chunks.append((start, rows))
+
     def rows(self, start: int, end: int) -> mx.array:
         """Rows for positions [start, end) as (end - start, F); KeyError if not recorded."""
         first = self._chunks[0][0] if self._chunks else 0

@@ -1,0 +1,261 @@
+"""Draft trees: the contract, its validation, the masked pass, the coupled walk, the gather.
+
+The tree pass must give every node exactly the row a chain through it would give (same
+mask semantics, same RoPE positions), the walk must commit what plain decoding commits
+(a property test over random trees and random target distributions), and the gather must
+leave the cache as if the accepted path had been fed as a chain.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.cache import cache_length, make_caches
+from engine.drafters.base import Draft
+from engine.drafters.ngram import NgramDrafter
+from engine.loading import LoadedModel, load_model
+from engine.sampling import SamplingParams, coupled_rows
+from engine.speculative import checked_draft
+from engine.tree import (
+    ROOT,
+    DraftTree,
+    TreeError,
+    ancestor_mask,
+    kept_rows,
+    row_positions,
+    validate_tree,
+)
+from engine.tree_policy import EXTRA_NODES, TreeStats, prune_tree
+from engine.tree_verify import commit_path, tree_pass, verify_tree_coupled
+from engine.tuning import CostModel
+from engine.verify import verify_coupled_logits
+from tests.fixtures.tiny_models import write_tiny_model
+
+# node:     0  1  2  3  4  5
+# tokens:   5  6  7  8  9  4     0 -> 1 -> 2 is the first chain; 3 forks under 0;
+# parents: -1  0  1  0  3 -1     4 under 3; 5 is a second root child
+TREE = DraftTree((5, 6, 7, 8, 9, 4), (-1, 0, 1, 0, 3, -1))
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(write_tiny_model(tmp_path_factory.mktemp("tree") / "t")))
+
+
+# ----------------------------------------------------------------------------- the contract
+
+
+def test_shape_of_a_tree() -> None:
+    assert TREE.depths == (1, 2, 3, 2, 3, 1)
+    assert TREE.first_chain() == 3 and not TREE.is_chain
+    assert TREE.children == {ROOT: (0, 5), 0: (1, 3), 1: (2,), 3: (4,)}
+    assert TREE.path(4) == [0, 3, 4]
+    assert DraftTree.chain([3, 4, 5]).parents == (-1, 0, 1)
+    assert DraftTree.chain([3, 4, 5]).is_chain
+    names = TREE.branch_names()
+    assert names[:3] == ("main branch",) * 3
+    assert names[3] == names[4] == "branch 2 (forks at depth 2)"
+    assert names[5] == "branch 3 (forks at depth 1)"
+
+
+def test_ancestor_mask_and_positions() -> None:
+    mask = np.array(ancestor_mask(TREE, 2))
+    assert mask.shape == (7, 9)
+    assert mask[:, :3].all()  # committed rows and the newest token: everyone sees them
+    seen = {r: [c - 3 for c in range(3, 9) if mask[r, c]] for r in range(7)}
+    assert seen == {0: [], 1: [0], 2: [0, 1], 3: [0, 1, 2], 4: [0, 3], 5: [0, 3, 4], 6: [5]}
+    assert row_positions(TREE, 10) == [10, 11, 12, 13, 12, 13, 11]
+    assert kept_rows([0, 3, 4]) == [0, 1, 4, 5]
+
+
+@pytest.mark.parametrize(("tree", "message"), [
+    (DraftTree((5, 6), (-1, 1)), "does not come before it"),  # a cycle (its own parent)
+    (DraftTree((5, 6, 7), (-1, 2, 0)), "does not come before it"),  # parent after child
+    (DraftTree((5, 6, 7), (-1, 0, 1)), "depth 3, beyond the budget of 2"),
+    (DraftTree((5, 999), (-1, 0)), "outside the vocabulary"),
+    (DraftTree((5, -1), (-1, 0)), "outside the vocabulary"),
+    (DraftTree((5, 6, 7, 8), (-1, 0, -1, 1)), "not in depth-first order"),
+    (DraftTree((5, 6), (-1,)), "2 tokens but 1 parent"),
+    (DraftTree((5, 5), (-1, -1)), "repeats token 5"),
+    (DraftTree((5, 6), (-1, -3)), "neither a node nor the root"),
+    (DraftTree(tuple(range(1, 7)), (-1, -1, -1, -1, -1, -1)), "exceed the budget of 5"),
+])
+def test_malformed_trees_are_named(tree: DraftTree, message: str) -> None:
+    with pytest.raises(TreeError, match=message):
+        validate_tree(tree, vocab_size=300, max_nodes=5, max_depth=2)
+
+
+def test_a_good_tree_passes_validation() -> None:
+    validate_tree(TREE, vocab_size=300, max_nodes=6, max_depth=3)
+
+
+def test_rejection_rule_and_trees_off_verify_the_first_chain() -> None:
+    """The rejection rule here preserves the distribution for one chain only: a tree is
+    cut to its first chain before the pass (and so is every tree with trees off)."""
+    draft = Draft(TREE.ids, None, TREE.parents)
+    for accept, mode in (("rejection", "auto"), ("coupled", "off")):
+        cut = checked_draft(draft, 300, 3, accept, mode)
+        assert cut.ids == (5, 6, 7) and cut.parents is None
+    assert checked_draft(draft, 300, 3, "coupled", "auto") == draft
+    with pytest.raises(TreeError, match="beyond the budget of 2"):
+        checked_draft(draft, 300, 2, "coupled", "auto")
+    # a chain past the target's vocabulary is a padded draft model's: verified, rejected there
+    assert checked_draft(Draft((5, 350)), 300, 2, "coupled", "auto").ids == (5, 350)
+
+
+# ----------------------------------------------------------------------------- the pass
+
+
+def chain_rows(model, committed: list[int], path_ids: list[int]) -> mx.array:
+    """Reference: the rows a fresh chain pass gives over [last, *path_ids]."""
+    caches = make_caches(model.n_layers)
+    model(mx.array([committed[:-1]]), cache=caches)
+    return model(mx.array([[committed[-1], *path_ids]]), cache=caches)[0]
+
+
+def test_tree_rows_equal_chain_rows_and_the_gather_keeps_the_path(target: LoadedModel) -> None:
+    model = target.model
+    committed = [3, 17, 42, 8, 99, 5, 11]
+    caches = make_caches(model.n_layers)
+    model(mx.array([committed[:-1]]), cache=caches)
+    start = cache_length(caches)
+    logits = tree_pass(model, caches, committed[-1], TREE)
+    mx.eval(logits)
+    # verify-pass memory: the newest token's row and one row per node, nothing more
+    assert cache_length(caches) == start + 1 + len(TREE)
+    for leaf in (2, 4, 5):
+        path = TREE.path(leaf)
+        ref = chain_rows(model, committed, [TREE.ids[j] for j in path])
+        got = logits[mx.array([0, *(1 + j for j in path)])]
+        assert mx.allclose(got, ref, atol=1e-4).item(), f"path to node {leaf}"
+    # accept the path 0 -> 3 -> 4: the cache now holds exactly that chain's rows
+    commit_path(model, caches, start, [0, 3, 4])
+    assert cache_length(caches) == start + 4
+    nxt = model(mx.array([[2]]), cache=caches)[0, -1]
+    ref_caches = make_caches(model.n_layers)
+    ref = model(mx.array([[*committed, 5, 8, 9, 2]]), cache=ref_caches)[0, -1]
+    assert mx.allclose(nxt, ref, atol=1e-4).item()
+
+
+def test_a_chain_takes_the_causal_pass(target: LoadedModel) -> None:
+    model = target.model
+    committed = [3, 17, 42]
+    chain = DraftTree.chain([9, 8])
+    caches = make_caches(model.n_layers)
+    model(mx.array([committed[:-1]]), cache=caches)
+    got = tree_pass(model, caches, committed[-1], chain)
+    assert mx.allclose(got, chain_rows(model, committed, [9, 8]), atol=1e-5).item()
+
+
+# ----------------------------------------------------------------------------- the walk
+
+
+@st.composite
+def trees(draw: st.DrawFn, vocab: int) -> DraftTree:
+    """Random valid trees: each node hangs under a node on the path to the previous one."""
+    n = draw(st.integers(1, 9))
+    ids: list[int] = []
+    parents: list[int] = []
+    stack: list[int] = []
+    for i in range(n):
+        depth = draw(st.integers(0, len(stack)))
+        del stack[depth:]
+        p = stack[-1] if stack else ROOT
+        used = {ids[j] for j in range(i) if parents[j] == p}
+        free = [t for t in range(vocab) if t not in used]
+        if not free:
+            break
+        ids.append(draw(st.sampled_from(free)))
+        parents.append(p)
+        stack.append(i)
+    return DraftTree(tuple(ids), tuple(parents))
+
+
+def plain_sample(logits_row: mx.array, params: SamplingParams, position: int) -> int:
+    """What plain decoding commits at `position` from one row (one-row sampler call)."""
+    rows = coupled_rows(logits_row[None], params, None, [position])
+    return int(rows.tokens[0].item())
+
+
+@settings(max_examples=60, deadline=None)
+@given(tree=trees(6), seed=st.integers(0, 2**31 - 1), temp=st.sampled_from([0.0, 0.8]),
+       sharp=st.floats(0.5, 6.0), t0=st.integers(1, 500))
+def test_coupled_walk_commits_what_plain_decoding_commits(tree: DraftTree, seed: int,
+                                                         temp: float, sharp: float,
+                                                         t0: int) -> None:
+    """Over random trees and random target rows: each committed token is plain decoding's
+    sample at its position from the row of the path before it; the walk stops only where
+    no child holds that sample; and it never commits less than its first chain would."""
+    rng = np.random.default_rng(seed)
+    logits = mx.array(rng.normal(size=(len(tree) + 1, 6)).astype(np.float32) * sharp)
+    params = SamplingParams(temperature=temp, seed=seed)
+    context = list(range(t0))
+    verdict = verify_tree_coupled(logits, tree, context, params)
+    row = 0
+    for depth, node in enumerate(verdict.path):
+        assert tree.ids[node] == plain_sample(logits[row], params, t0 + depth)
+        assert tree.parents[node] == (ROOT if depth == 0 else verdict.path[depth - 1])
+        row = 1 + node
+    n = len(verdict.path)
+    assert verdict.token == plain_sample(logits[row], params, t0 + n)
+    last = verdict.path[-1] if verdict.path else ROOT
+    assert verdict.token not in [tree.ids[c] for c in tree.children.get(last, ())]
+    k = tree.first_chain()
+    chain = verify_coupled_logits(logits[: k + 1], params, None, tree.ids[:k], t0)
+    assert n >= chain.n_accepted
+    if tree.is_chain:
+        assert (n, verdict.token) == (chain.n_accepted, chain.token)
+
+
+def test_walk_negative_control() -> None:
+    """A tree whose every first-level token differs from the target's sample accepts none."""
+    logits = mx.array([[0.0, 9.0, 0.0, 0.0]] * 4)
+    params = SamplingParams(temperature=0.0)
+    verdict = verify_tree_coupled(logits, DraftTree((0, 2), (-1, -1)), [1], params)
+    assert verdict.path == () and verdict.token == 1
+    verdict = verify_tree_coupled(logits, DraftTree((0, 1, 1), (-1, -1, 1)), [1], params)
+    assert verdict.path == (1, 2) and verdict.token == 1
+
+
+# ----------------------------------------------------------------------------- sources, policy
+
+
+def test_prompt_lookup_branches_where_earlier_matches_diverge() -> None:
+    drafter = NgramDrafter(min_n=2)
+    # "1 2" was followed by "3 4 5" long ago and by "7 8 9" more recently
+    context = [1, 2, 3, 4, 5, 0, 1, 2, 7, 8, 9, 0, 1, 2]
+    draft = drafter.propose_tree(context, 3, EXTRA_NODES)
+    tree = draft.tree
+    validate_tree(tree, 300, 3 + EXTRA_NODES, 3)
+    assert tree.ids[: tree.first_chain()] == (7, 8, 9)  # the most recent match first
+    assert tree.ids == (7, 8, 9, 3, 4, 5) and tree.parents == (-1, 0, 1, -1, 3, 4)
+    assert drafter.propose_tree(context, 3, 0).parents is None  # no budget: the chain
+    assert drafter.propose_tree(context, 3, 2).ids == (7, 8, 9, 3, 4)
+    # one continuation only: a chain
+    assert drafter.propose_tree([1, 2, 3, 4, 1, 2], 2, EXTRA_NODES).parents is None
+
+
+def test_prune_keeps_a_tree_only_when_its_rows_pay() -> None:
+    flat = CostModel({1: 1.0, 17: 1.0})  # extra rows free: every node pays
+    steep = CostModel({1: 1.0, 17: 9.0})  # half a pass per extra row: none pays
+    assert prune_tree(TREE, 0.5, 0.5, flat) == TREE
+    assert prune_tree(TREE, 0.5, 0.5, steep) == DraftTree.chain(TREE.ids[:3])
+    # a middle cost keeps the shallow fork (depth 1) before the deeper one
+    mid = CostModel({1: 1.0, 4: 1.0, 5: 1.08, 17: 3.0})
+    kept = prune_tree(TREE, 0.5, 0.6, mid)
+    assert kept == DraftTree((5, 6, 7, 4), (-1, 0, 1, -1))
+
+
+def test_tree_stats_learn_how_often_an_alternative_wins() -> None:
+    stats = TreeStats()
+    before = stats.alt.alpha
+    for _ in range(5):
+        stats.observe(TREE, (5,))  # the root's second child won
+    assert stats.alt.alpha > before
+    for _ in range(20):
+        stats.observe(TREE, ())  # both root children lost
+    assert stats.alt.alpha < before
