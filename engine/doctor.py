@@ -66,9 +66,8 @@ class DoctorReport:
             if not v.passed:
                 out.append(f"  {v.name}: FAILED, never used on this setup: {v.reason}")
                 continue
-            use = "in use" if v.use else "passed, not faster: reference in use"
-            if v.name == "qmm" and v.use:
-                use = f"in use at widths {', '.join(map(str, v.widths))}"
+            use = (f"in use at widths {', '.join(map(str, v.widths))}" if v.use
+                   else "passed, not faster: reference in use")
             out.append(f"  {v.name}: {use}")
             out.extend(f"    {note}" for note in v.notes)
             for series, by_width in v.timings_ms.items():
@@ -168,7 +167,7 @@ def save_verdicts(verdicts: list[KernelVerdict]) -> None:
 class KernelPlan:
     """What the dispatcher may use: only kernels that passed here and were faster."""
 
-    sampler: bool = False
+    sampler_widths: tuple[int, ...] = ()
     qmm_widths: tuple[int, ...] = ()
 
 
@@ -176,16 +175,16 @@ def plan_from(verdicts: list[KernelVerdict]) -> KernelPlan:
     by_name = {v.name: v for v in verdicts}
     sampler = by_name.get("verify_sampler")
     matmul = by_name.get("qmm")
-    return KernelPlan(
-        sampler=bool(sampler and sampler.passed and sampler.use),
-        qmm_widths=tuple(matmul.widths) if matmul and matmul.passed and matmul.use else (),
-    )
+    def widths(v: KernelVerdict | None) -> tuple[int, ...]:
+        return tuple(v.widths) if v is not None and v.passed and v.use else ()
+
+    return KernelPlan(sampler_widths=widths(sampler), qmm_widths=widths(matmul))
 
 
 def apply_verdicts(verdicts: list[KernelVerdict]) -> None:
     """Tell the dispatcher what passed (and won) here; everything else stays off."""
     plan = plan_from(verdicts)
-    dispatch.configure(sampler=plan.sampler, qmm_widths=plan.qmm_widths)
+    dispatch.configure(sampler_widths=plan.sampler_widths, qmm_widths=plan.qmm_widths)
 
 
 def apply_saved_verdicts() -> None:

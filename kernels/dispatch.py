@@ -16,30 +16,32 @@ from kernels import qmm, verify_sampler
 from kernels.source import metal_available
 from kernels.verify_sampler import SampledRows, SamplerSpec
 
-_sampler_on = False
+_sampler_widths: frozenset[int] = frozenset()
 _qmm_widths: frozenset[int] = frozenset()
 
 
-def configure(sampler: bool = False, qmm_widths: Iterable[int] = ()) -> None:
-    """Allow the fused sampler and the small-batch matmul (at these row counts).
+def configure(sampler_widths: Iterable[int] = (), qmm_widths: Iterable[int] = ()) -> None:
+    """Allow the fused sampler and the small-batch matmul at these row counts.
 
     Ignored (everything off) where Metal is unavailable, whatever the caller passes.
     """
-    global _sampler_on, _qmm_widths
+    global _sampler_widths, _qmm_widths
     on_metal = metal_available()
-    _sampler_on = bool(sampler) and on_metal
+    _sampler_widths = frozenset(int(w) for w in sampler_widths) if on_metal else frozenset()
     _qmm_widths = frozenset(int(w) for w in qmm_widths) if on_metal else frozenset()
 
 
 def active() -> dict[str, object]:
     """What the dispatcher uses now (for `doctor` and the Diagnostics pane)."""
-    return {"verify_sampler": _sampler_on, "qmm_widths": sorted(_qmm_widths)}
+    return {"verify_sampler_widths": sorted(_sampler_widths), "qmm_widths": sorted(_qmm_widths)}
 
 
 def sample_rows(scores: mx.array, keys: mx.array, positions: mx.array,
                 draft: mx.array | Sequence[int], spec: SamplerSpec) -> SampledRows:
-    """Coupled tokens, probabilities and the accepted prefix (`verify_sampler.reference`)."""
-    return verify_sampler.sample(scores, keys, positions, draft, spec, use_kernel=_sampler_on)
+    """Coupled tokens, probabilities and the accepted prefix (`verify_sampler.reference`);
+    the kernel at the row counts where it passed and won on this device."""
+    use = bool(_sampler_widths) and scores.shape[0] in _sampler_widths
+    return verify_sampler.sample(scores, keys, positions, draft, spec, use_kernel=use)
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,

@@ -51,15 +51,16 @@ def test_cli_process_has_openblas_when_installed(tmp_path: Path) -> None:
 
 FAILED = KernelVerdict("verify_sampler", passed=False, reason="token differs (row 3)")
 SLOWER = KernelVerdict("verify_sampler", passed=True, use=False)
+FASTER = KernelVerdict("verify_sampler", passed=True, use=True, widths=[1, 5])
 WINS = KernelVerdict("qmm", passed=True, use=True, widths=[2, 3, 4],
                      timings_ms={"builtin": {1: 0.1, 2: 0.2}, "kernel": {2: 0.12}},
                      notes=["8 rows cost 3.00x one row"])
 
 
 def test_only_kernels_that_passed_and_won_are_planned() -> None:
-    assert plan_from([FAILED, WINS]) == KernelPlan(sampler=False, qmm_widths=(2, 3, 4))
+    assert plan_from([FAILED, WINS]) == KernelPlan(sampler_widths=(), qmm_widths=(2, 3, 4))
     assert plan_from([SLOWER]) == KernelPlan()
-    assert plan_from([KernelVerdict("verify_sampler", True, use=True)]).sampler
+    assert plan_from([FASTER]) == KernelPlan(sampler_widths=(1, 5))
     broken_qmm = KernelVerdict("qmm", passed=False, reason="x", use=True, widths=[2])
     assert plan_from([broken_qmm]) == KernelPlan()
     assert plan_from([]) == KernelPlan()  # never judged: references
@@ -99,8 +100,8 @@ def test_a_failed_kernel_shows_its_reason_and_stays_off() -> None:
 
 @no_metal
 def test_without_metal_the_dispatcher_ignores_any_plan() -> None:
-    dispatch.configure(sampler=True, qmm_widths=[2, 4, 8])
+    dispatch.configure(sampler_widths=[1, 5], qmm_widths=[2, 4, 8])
     try:
-        assert dispatch.active() == {"verify_sampler": False, "qmm_widths": []}
+        assert dispatch.active() == {"verify_sampler_widths": [], "qmm_widths": []}
     finally:
         dispatch.configure()

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not mx.metal.is_available(),
 
 @pytest.fixture(autouse=True)
 def kernels_on():
-    dispatch.configure(sampler=True, qmm_widths=range(2, 17))
+    dispatch.configure(sampler_widths=range(1, 17), qmm_widths=range(2, 17))
     yield
     dispatch.configure()
 
