@@ -6,6 +6,7 @@ is known and a busy port fails at once with a readable message.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -135,8 +136,12 @@ def serve(args: argparse.Namespace) -> int:
         print(f"serving {card.id} at {url} (drafter {args.drafter}); Ctrl-C to stop",
               flush=True)
         print(client_snippet(url, card.id, bool(args.api_key)), flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-        server.run(sockets=[sock])
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                               timeout_graceful_shutdown=3))
+        # uvicorn re-raises the Ctrl-C it handled once it has stopped; absorbed here so it
+        # cannot interrupt the engine thread's join below (an unjoined MLX thread aborts)
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run(sockets=[sock])
     finally:
         engine.close()
         sock.close()

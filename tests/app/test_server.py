@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -275,6 +280,36 @@ def test_off_loopback_needs_a_key(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: host 0.0.0.0") and "--api-key" in err
+
+
+def test_serve_command_serves_then_stops_cleanly_on_ctrl_c(engine) -> None:
+    """`understudy serve` as a user runs it: prints the address, logs each request (never the
+    key), and Ctrl-C ends it with status 0 (MLX's thread-local buffers freed on its thread)."""
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "serve", "--model", engine.spec.model, "--port", "0",
+         "--drafter", "none", "--api-key", "sekret-key"],
+        cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONPATH": str(repo)})
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if (found := re.search(r"at (http://127\.0\.0\.1:\d+/v1)", line)):
+                break
+        assert found, "".join(lines)
+        client = openai.OpenAI(base_url=found.group(1), api_key="sekret-key", max_retries=0)
+        reply = client.chat.completions.create(model="target", messages=HELLO, max_tokens=3)
+        assert reply.usage.completion_tokens == 3
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "chat target: " in out and "+ 3 tokens" in out
+    assert "terminate called" not in out and "sekret-key" not in "".join(lines) + out
 
 
 # ---------------------------------------------------------------------------- bad input
