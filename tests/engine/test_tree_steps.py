@@ -1,0 +1,240 @@
+"""Draft trees in the step loop: texts identical to plain decoding, malformed trees refused.
+
+A scripted policy drafts prompt lookup every step with no cost model (so no pruning): every
+time the lookup has diverging earlier matches, the step verifies a real tree. Identity
+with trees on for every drafter through the whole session is in test_speculative.py (trees
+are on by default there).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from engine.cache import cache_length, make_caches
+from engine.drafters.base import Draft
+from engine.drafters.ngram import NgramDrafter
+from engine.events import TokenKind
+from engine.loading import LoadedModel, load_model
+from engine.sampling import SamplingParams
+from engine.speculative import speculative_steps
+from engine.steps import RawStep, plain_steps, prefill
+from engine.tree import ROOT
+from engine.tuning import Choice
+from tests.fixtures.tiny_models import write_tiny_model
+
+N_TOKENS = 40
+K = 4
+# short motifs repeated with different continuations, so lookup finds diverging matches
+PROMPT = [7, 8, 9, 10, 7, 8, 11, 12, 7, 8, 9, 13, 7, 8, 11, 14, 7, 8]
+
+
+class AlwaysDraft:
+    """Drafts `name` with K every step; no cost model, so trees are verified unpruned."""
+
+    costs = None
+
+    def __init__(self, name: str = "ngram") -> None:
+        self.name = name
+
+    def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
+        return Choice(self.name, K, None)
+
+    def observe(self, token: int) -> None:
+        return None
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+
+class BadTrees:
+    """A drafter whose trees are malformed in one way (the bad-input cases)."""
+
+    name = "bad"
+
+    def __init__(self, ids: tuple[int, ...], parents: tuple[int, ...]) -> None:
+        self.draft = Draft(ids, None, parents)
+
+    def propose(self, context, k, sampling, accept) -> Draft:
+        return self.draft
+
+    def propose_tree(self, context, k, extra) -> Draft:
+        return self.draft
+
+    def commit(self, context) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+class OracleTrees:
+    """Trees that hide plain decoding's continuation (`truth`, from a plain run) on a random
+    branch, each other branch leaving it at a random depth: the walk must find it there."""
+
+    name = "oracle"
+
+    def __init__(self, truth: list[int], seed: int) -> None:
+        self.truth = truth
+        self.rng = random.Random(seed)
+        self.expected: list[int] = []  # per proposal: how many tokens the walk must accept
+
+    def propose_tree(self, context, k, extra) -> Draft:
+        truth = self.truth[len(context) - len(PROMPT):][:k]
+        seqs = []
+        for _ in range(3):
+            keep = self.rng.randint(0, len(truth))
+            seqs.append(truth[:keep] + [self.rng.randrange(300) for _ in range(k - keep)])
+        self.rng.shuffle(seqs)
+        kids: dict[int, dict[int, int]] = {}
+        tokens: list[int] = []
+        parents: list[int] = []
+        for seq in seqs:  # a trie, nodes in insertion order
+            node = ROOT
+            for tok in seq:
+                if tok not in kids.setdefault(node, {}):
+                    kids[node][tok] = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                node = kids[node][tok]
+        order: list[int] = []  # depth-first renumbering
+        stack = list(reversed(kids.get(ROOT, {}).values()))
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            stack.extend(reversed(kids.get(node, {}).values()))
+        new = {old: i for i, old in enumerate(order)} | {ROOT: ROOT}
+        self.expected.append(max(_common(seq, truth) for seq in seqs))
+        return Draft(tuple(tokens[o] for o in order), None,
+                     tuple(new[parents[o]] for o in order))
+
+    def propose(self, context, k, sampling, accept) -> Draft:
+        return self.propose_tree(context, k, 0)
+
+    def commit(self, context) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(write_tiny_model(tmp_path_factory.mktemp("treesteps") / "t")))
+
+
+def run_steps(model, sampling: SamplingParams, drafters=None, policy=None, accept="coupled",
+              tree="auto", check_cache=False, n_tokens=N_TOKENS,
+              ) -> tuple[list[int], list[RawStep]]:
+    """Committed ids (at least N_TOKENS) and the raw steps, plain when `drafters` is None."""
+    context = list(PROMPT)
+    caches = make_caches(model.n_layers)
+    *_, (_, logits) = prefill(model, context, caches, 512)
+    if drafters is None:
+        steps = plain_steps(model, caches, logits, context, sampling)
+    else:
+        steps = speculative_steps(model, caches, context, logits, sampling, accept, drafters,
+                                  policy, tree=tree)
+    out: list[RawStep] = []
+    while len(context) < len(PROMPT) + n_tokens:
+        step = next(steps)
+        out.append(step)
+        if check_cache and step.n_drafted:
+            # verified: the caches hold the committed context but its newest token, and
+            # no tree row outlives the step
+            assert cache_length(caches) == len(context) - 1
+    steps.close()
+    return context[len(PROMPT):len(PROMPT) + n_tokens], out
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
+                                      SamplingParams(temperature=0.8, seed=11),
+                                      SamplingParams(temperature=0.8, seed=5,
+                                                     repetition_penalty=1.3)],
+                         ids=["T0", "T0.8", "T0.8-rep"])
+def test_tree_steps_commit_exactly_the_plain_text(target: LoadedModel,
+                                                  sampling: SamplingParams) -> None:
+    model = target.model
+    plain, _ = run_steps(model, sampling)
+    drafters = {"ngram": NgramDrafter(min_n=1)}
+    spec, _ = run_steps(model, sampling, drafters, AlwaysDraft(), check_cache=True)
+    assert spec == plain
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
+                                      SamplingParams(temperature=0.8, seed=11)],
+                         ids=["T0", "T0.8"])
+def test_the_walk_finds_plain_decodings_branch_wherever_it_hides(target: LoadedModel,
+                                                                 sampling: SamplingParams,
+                                                                 ) -> None:
+    model = target.model
+    truth, _ = run_steps(model, sampling, n_tokens=N_TOKENS + K + 2)
+    oracle = OracleTrees(truth, seed=3)
+    spec, steps = run_steps(model, sampling, {"oracle": oracle}, AlwaysDraft("oracle"),
+                            check_cache=True)
+    assert spec == truth[:N_TOKENS]
+    verified = [s for s in steps if s.n_drafted]
+    assert [s.n_accepted for s in verified] == oracle.expected[: len(verified)]
+    tree_steps = [s for s in verified if s.branches]
+    assert len(tree_steps) > len(verified) // 2
+    assert any(s.n_accepted for s in tree_steps)
+    for s in tree_steps:
+        ghosts = [b for b, k in zip(s.branches, s.kinds, strict=True)
+                  if k is TokenKind.REJECTED]
+        assert all(ghosts) and len(s.ids) == s.n_drafted + 1
+        assert sum(k.committed for k in s.kinds) == s.n_accepted + 1
+
+
+def test_trees_off_and_the_rejection_rule_verify_chains(target: LoadedModel) -> None:
+    model = target.model
+    sampling = SamplingParams(temperature=0.0)
+    plain, _ = run_steps(model, sampling)
+    for accept, tree in (("coupled", "off"), ("rejection", "auto")):
+        drafters = {"ngram": NgramDrafter(min_n=1)}
+        spec, steps = run_steps(model, sampling, drafters, AlwaysDraft(), accept, tree)
+        assert spec == plain
+        assert not any(s.branches for s in steps)
+        assert all(s.n_drafted <= K for s in steps)
+
+
+@pytest.mark.parametrize(("ids", "parents", "message"), [
+    ((5, 6, 7), (-1, 2, 0), "does not come before it"),  # a parent after its child
+    ((5, 6), (-1, 1), "does not come before it"),  # a cycle: its own parent
+    ((5, 6, 7, 8, 9, 4), (-1, 0, 1, 2, 3, -1), "beyond the budget of 4"),
+    ((5, 6, 100_000), (-1, 0, -1), "outside the vocabulary"),
+])
+def test_a_malformed_tree_runs_a_plain_step_and_says_why(target: LoadedModel, ids, parents,
+                                                          message: str) -> None:
+    model = target.model
+    sampling = SamplingParams(temperature=0.8, seed=2)
+    plain, _ = run_steps(model, sampling)
+    spec, steps = run_steps(model, sampling, {"bad": BadTrees(ids, parents)},
+                            AlwaysDraft("bad"))
+    assert spec == plain
+    refused = [s for s in steps if s.error]
+    # every other step reads the pending token the refused step left (no error there)
+    assert len(refused) >= len(steps) // 2
+    assert all(message in s.error and s.error.startswith("bad: ") for s in refused)
+    assert all(s.n_drafted == 0 and s.kinds == [TokenKind.TARGET] for s in steps)
+
+
+def test_a_good_tree_from_the_same_drafter_is_verified(target: LoadedModel,
+                                                       tmp_path: Path) -> None:
+    """Negative control for the test above: a valid tree passes, with no error."""
+    model = target.model
+    sampling = SamplingParams(temperature=0.0)
+    plain, _ = run_steps(model, sampling)
+    spec, steps = run_steps(model, sampling, {"bad": BadTrees((5, 6, 7), (-1, 0, -1))},
+                            AlwaysDraft("bad"))
+    assert spec == plain
+    assert all(s.error == "" for s in steps) and any(s.n_drafted == 3 for s in steps)
