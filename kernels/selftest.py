@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -189,7 +189,8 @@ def _quantized(n: int, k: int, group_size: int, bits: int, dtype: mx.Dtype, seed
     return w, scales.astype(dtype), biases.astype(dtype)
 
 
-def check_qmm(candidate: Callable[..., mx.array] | None = None) -> tuple[bool, str]:
+def check_qmm(candidate: Callable[..., mx.array] | None = None,
+              widths: Sequence[int] = range(2, qmm.MAX_ROWS + 1)) -> tuple[bool, str]:
     """Kernel (or another matmul with its contract) against the reference for every
     bits/group/dtype/width the kernel covers."""
     candidate = candidate or qmm.run_kernel
@@ -197,7 +198,7 @@ def check_qmm(candidate: Callable[..., mx.array] | None = None) -> tuple[bool, s
         for bits in qmm.BITS:
             for group_size in qmm.GROUP_SIZES:
                 w, scales, biases = _quantized(64, 896, group_size, bits, dtype, bits + group_size)
-                for rows in range(2, qmm.MAX_ROWS + 1):
+                for rows in widths:
                     x = _normal((rows, 896), rows).astype(dtype)
                     want = qmm.reference(x, w, scales, biases, group_size, bits)
                     got = candidate(x, w, scales, biases, group_size, bits)
