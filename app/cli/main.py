@@ -12,8 +12,9 @@ import os
 import sys
 from contextlib import closing
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from app.bounded_exit import exit_code, exit_now
 from app.cli.launcher import ensure_openblas
 
 
@@ -325,5 +326,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def run() -> NoReturn:
+    """The process entry (`understudy`, `python -m app.cli`, the packaged app): `main`, then
+    an exit that no thread or library exit handler can hold up (`app.bounded_exit`).
+    Tests call `main` in-process instead."""
+    try:
+        code = main()
+    except SystemExit as e:  # argparse: --help, a bad argument
+        code = exit_code(e)
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    exit_now(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

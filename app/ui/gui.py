@@ -18,6 +18,7 @@ from pathlib import Path
 from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication
 
+from app.bounded_exit import exit_now
 from app.logs import setup_logging
 from app.store import Store, StoreError
 from app.ui.app_icon import app_icon
@@ -87,10 +88,21 @@ def run_gui(model_spec: str = "demo", *, smoke: bool = False) -> int:
     finally:
         if crash is not None:
             crash.uninstall()
-        host.shutdown()
+        engine_stopped = host.shutdown()
         store.close()
         if scratch:
             scratch.cleanup()
-    if run is not None:
-        return 1 if (crash is not None and crash.count) or run.exit_code is None else run.exit_code
-    return 0
+        if not engine_stopped:
+            # still inside an MLX call (a model load, a calibration) that cannot be
+            # interrupted: Qt aborts when a running QThread is destroyed and native exit
+            # handlers may wait on it, so leave now; the history is saved and closed
+            log.warning("the engine thread was still busy when the app quit; leaving without it")
+            exit_now(_exit_code(run, crash))
+    return _exit_code(run, crash)
+
+
+def _exit_code(run, crash: CrashHandler | None) -> int:
+    """0, or in smoke mode the smoke run's verdict (1 if anything crashed or it never ended)."""
+    if run is None:
+        return 0
+    return 1 if (crash is not None and crash.count) or run.exit_code is None else run.exit_code

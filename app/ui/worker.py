@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 
 DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "head", "auto")
 ACCEPT_RULES = ("coupled", "rejection")
+# Quit waits this long for the engine thread: a reply stops at its next step, but a model
+# load or a calibration cannot be interrupted (the app then leaves without it: app.ui.gui)
+ENGINE_STOP_MS = 10_000
 # A race's turn: long enough that a turn's fixed cost (building the first pass with the
 # machine idle, waiting for the last) stays a small share, short enough to look live.
 RACE_TURN_S = 0.5
@@ -435,10 +438,12 @@ class EngineHost(QObject):
     def _on_request_ended(self, request_id: int, _payload: object) -> None:
         self._active.pop(request_id, None)
 
-    def shutdown(self, timeout_ms: int = 30000) -> None:
-        """Stop any reply (and training), then quit and join the engine thread."""
+    def shutdown(self, timeout_ms: int = ENGINE_STOP_MS) -> bool:
+        """Stop any reply (and training), then quit and join the engine thread; returns
+        whether it stopped within `timeout_ms` (False: it is still inside an MLX call)."""
         self.cancel_all()
         self.cancel_training()
         if self.thread.isRunning():
             self.thread.quit()
-            self.thread.wait(timeout_ms)
+            return bool(self.thread.wait(timeout_ms))
+        return True
