@@ -4,8 +4,8 @@ For (N, V) scores (N = K+1 verified rows, or any rows to sample) it returns each
 argmax(log p + g(seed, t, v)), that token's probability, the target probability of each
 draft token, and how many drafts equal the row's own token up to the first miss. Stock MLX
 does this with a dozen small ops per row and a host sync per read; the kernel does it in
-two dispatches — tile partials across the vocabulary (one threadgroup per tile and row, not
-per row), then one threadgroup that merges them — and one small readback.
+two dispatches — partials across the vocabulary (one threadgroup per 2048-entry stretch of
+a row, not one per row), then one threadgroup that merges them — and one small readback.
 
 The noise is `kernels.noise` computed in integer arithmetic in the kernel, so its uniforms
 are bit-exact with the reference's. The log-sum-exp is summed in another order, so a row
@@ -13,7 +13,7 @@ whose two best perturbed scores tie within float rounding may pick the other one
 measure-zero, and the device self-test counts it.
 
 What the kernel covers (`covers`): float32/float16 scores, 1 <= N <= MAX_ROWS rows, V a
-multiple of MIN_TILE. Anything else (bfloat16, wider verifies, odd vocabularies) goes to the
+multiple of TILE. Anything else (bfloat16, wider verifies, odd vocabularies) goes to the
 reference, never to a kernel that was not written for it.
 """
 
@@ -30,9 +30,8 @@ from kernels.noise import columns, gumbel_from_bits, hash_bits, metal_constants
 from kernels.source import metal_available, metal_source
 
 MAX_ROWS = 16
-TILES = (1024, 512, 256, 128)  # vocabulary entries per threadgroup, largest that divides V
-MIN_TILE = TILES[-1]
-TG = 128  # threads per threadgroup in the tile pass
+TILE = 128  # vocabulary entries per tile: one per thread of a tile-pass threadgroup
+GROUP_TILES = 16  # tiles per threadgroup (2048 entries; a row's last group may hold fewer)
 KERNEL_DTYPES = (mx.float32, mx.float16)
 
 
@@ -127,17 +126,12 @@ def reference(scores: mx.array, keys: mx.array, positions: mx.array, draft: mx.a
 # --------------------------------------------------------------------------- kernel
 
 
-def tile_for(vocab_size: int) -> int | None:
-    """The largest tile that divides the vocabulary, or None (not covered)."""
-    return next((t for t in TILES if vocab_size % t == 0), None)
-
-
 def covers(scores: mx.array, n_draft: int) -> bool:
     """True when the kernel was written for these shapes and dtype (else: reference)."""
     if scores.ndim != 2 or scores.dtype not in KERNEL_DTYPES:
         return False
     n_rows, vocab = scores.shape
-    return 1 <= n_rows <= MAX_ROWS and 0 <= n_draft < n_rows and tile_for(vocab) is not None
+    return 1 <= n_rows <= MAX_ROWS and 0 <= n_draft < n_rows and vocab % TILE == 0
 
 
 def _header() -> str:
@@ -177,18 +171,17 @@ def run_kernel(scores: mx.array, keys: mx.array, positions: mx.array, draft: mx.
     tiles, reduce = make_kernels()
     n_rows, vocab = scores.shape
     K = draft.shape[0]
-    tile = tile_for(vocab)
-    assert tile is not None and covers(scores, K)
-    n_tiles = vocab // tile
+    assert covers(scores, K)
+    n_groups = -(-vocab // (TILE * GROUP_TILES))
     inv_t = mx.array([spec.inv_temperature if spec.normalize else 1.0], dtype=mx.float32)
-    common = [("T", scores.dtype), ("V", vocab), ("N", n_rows), ("N_TILES", n_tiles),
+    common = [("T", scores.dtype), ("V", vocab), ("N", n_rows), ("N_GROUPS", n_groups),
               ("GREEDY", spec.greedy), ("NORMALIZE", spec.normalize)]
     part_f, part_i = tiles(  # type: ignore[operator]
         inputs=[scores, positions, keys, inv_t],
-        template=[*common, ("TILE", tile), ("TG", TG)],
-        grid=(n_tiles * TG, n_rows, 1),
-        threadgroup=(TG, 1, 1),
-        output_shapes=[(n_rows, n_tiles, 3), (n_rows, n_tiles)],
+        template=[*common, ("GROUP_TILES", GROUP_TILES), ("TG", TILE)],
+        grid=(n_groups * TILE, n_rows, 1),
+        threadgroup=(TILE, 1, 1),
+        output_shapes=[(n_rows, n_groups, 3), (n_rows, n_groups)],
         output_dtypes=[mx.float32, mx.int32],
         verbose=verbose,
     )

@@ -2,7 +2,7 @@
 // scores: [N, V] T            as in pass 1 (read again for two entries per row)
 // draft: [N] int              draft token for rows 0..K-1, then -1 (never a token)
 // inv_temperature: [1] float  applied when NORMALIZE
-// part_f: [N, N_TILES, 3] float, part_i: [N, N_TILES] int  from pass 1
+// part_f: [N, N_GROUPS, 3] float, part_i: [N, N_GROUPS] int  from pass 1
 // tokens: [N] int             each row's coupled Gumbel-max token
 // n_accepted: [1] int         drafts equal to the row's token, counted up to the first miss
 // p_token: [N] float          probability of each row's token
@@ -14,9 +14,9 @@ if (r < N) {
   float m = -INFINITY;
   float z = 0.0f;
   float best = -INFINITY;
-  int best_i = part_i[r * N_TILES];
-  for (uint t = 0; t < N_TILES; ++t) {
-    const uint at = r * N_TILES + t;
+  int best_i = part_i[r * N_GROUPS];
+  for (uint g = 0; g < N_GROUPS; ++g) {
+    const uint at = r * N_GROUPS + g;
     coupled_merge(m, z, best, best_i, part_f[at * 3 + 0], part_f[at * 3 + 1],
                   part_f[at * 3 + 2], part_i[at]);
   }

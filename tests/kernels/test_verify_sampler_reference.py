@@ -119,7 +119,7 @@ def test_reference_equals_todays_sampler_on_the_demo_model(demo_model_dir) -> No
     loaded = load_model(demo_model_dir)
     ids = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog because")
     logits = loaded.model(mx.array([ids]))[0, -8:]  # (8, V): a verify pass's worth of rows
-    assert logits.shape[-1] % verify_sampler.MIN_TILE == 0  # the kernel covers this model
+    assert verify_sampler.covers(logits, 7)  # the kernel covers this model
     histories = [ids[: len(ids) - 8 + i] for i in range(8)]
     for params in DEMO_SETTINGS:
         for t0, miss in ((len(ids) - 8, 7), (12_345, 0), (2**31, 3)):
@@ -166,8 +166,12 @@ def test_covered_shapes_do_reach_the_kernel() -> None:
         mx.eval(rows.tokens)
 
 
-def test_tiles_divide_common_vocabularies() -> None:
-    assert verify_sampler.tile_for(151_936) == 128  # Qwen2/2.5
-    assert verify_sampler.tile_for(49_152) == 1024  # SmolLM2
-    assert verify_sampler.tile_for(128_256) == 256  # Llama 3
-    assert verify_sampler.tile_for(32_001) is None
+@pytest.mark.parametrize(("vocab", "covered"), [
+    (151_936, True),  # Qwen2/2.5
+    (49_152, True),  # SmolLM2
+    (128_256, True),  # Llama 3
+    (32_000, True),  # Llama 2, Mistral
+    (32_001, False),  # a vocabulary grown by one token: not a multiple of the tile
+])
+def test_common_vocabularies_are_covered(vocab: int, covered: bool) -> None:
+    assert verify_sampler.covers(mx.zeros((5, vocab), dtype=mx.float16), 4) is covered
