@@ -106,7 +106,9 @@ def step_to_json(step: Step) -> str:
     """A compact, stable encoding of one Step (token kinds by their enum value)."""
     return json.dumps(
         {
-            "t": [[t.id, t.text, t.kind.value, t.prob] for t in step.tokens],
+            # a draft tree's ghost also keeps the name of its branch (a fifth field)
+            "t": [[t.id, t.text, t.kind.value, t.prob, *([t.branch] if t.branch else [])]
+                  for t in step.tokens],
             "d": step.n_drafted,
             "a": step.n_accepted,
             "ds": step.draft_s,
@@ -120,7 +122,8 @@ def step_to_json(step: Step) -> str:
 
 def step_from_json(data: str) -> Step:
     d = json.loads(data)
-    tokens = tuple(Token(int(i), str(text), TokenKind(kind), prob) for i, text, kind, prob in d["t"])
+    tokens = tuple(Token(int(t[0]), str(t[1]), TokenKind(t[2]), t[3],
+                         str(t[4]) if len(t) > 4 else "") for t in d["t"])
     return Step(tokens, d.get("d", 0), d.get("a", 0), d.get("ds", 0.0), d.get("vs", 0.0),
                 d.get("k", 0), d.get("dr", "none"))
 

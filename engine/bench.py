@@ -266,11 +266,12 @@ def run_cli(args: argparse.Namespace) -> int:
     k = None if args.k == "auto" else int(args.k)
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
     options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, drafter=drafter,
-                              k=k, accept=args.accept)
+                              k=k, accept=args.accept, tree=args.tree)
     target = load_model(args.model)
     draft = load_model(args.draft) if args.draft else None
     session = ChatSession(target, draft, head_for_drafter(target, drafter))
     print(f"model {target.name} ({target.backend}), drafter {drafter}, k {args.k}, "
+          f"tree {args.tree}, "
           f"{len(prompts)} prompts, modes {','.join(modes)}", file=sys.stderr)
     report = run_bench(session, prompts, modes, options, log=print)
     if args.compare_mlx_lm:

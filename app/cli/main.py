@@ -28,6 +28,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--k", default="auto", help="draft length: 'auto' (adaptive) or a number")
     p.add_argument("--accept", default="coupled", choices=["coupled", "rejection"],
                    help="lossless acceptance rule")
+    p.add_argument("--tree", default="auto", choices=["auto", "off"],
+                   help="draft trees: auto (where the measured costs say a tree pays; "
+                   "coupled rule only) or off (chains)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -149,7 +152,7 @@ def _options(args: argparse.Namespace):
         repetition_penalty=args.repetition_penalty, seed=args.seed,
     )
     return GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop),
-                           drafter=args.drafter, k=k, accept=args.accept)
+                           drafter=args.drafter, k=k, accept=args.accept, tree=args.tree)
 
 
 def _session(args: argparse.Namespace):

@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
 
 from app.hub.model_choices import available_models, draft_incompatibility
 from app.ui.controller import ChatController
-from app.ui.worker import ACCEPT_RULES, DRAFTER_MODES, ChatSettings, ModelInfo
+from app.ui.worker import ACCEPT_RULES, DRAFTER_MODES, TREE_MODES, ChatSettings, ModelInfo
 
 DRAFTER_HELP = {
     "off": "Plain decoding: one target pass per token",
@@ -43,6 +43,11 @@ DRAFTER_HELP = {
 ACCEPT_HELP = {
     "coupled": "Same noise for draft and target: output identical to plain decoding",
     "rejection": "Leviathan/Chen rejection sampling: same distribution, accepts more often",
+}
+TREE_HELP = {
+    "auto": "Verify several guesses per position in one pass where the measured costs say "
+            "the extra rows pay (coupled rule); losing branches show as rejected ghosts",
+    "off": "Chains only: one guess per position",
 }
 NO_DRAFT = "(no draft model)"
 CHOOSE_FOLDER = "Choose a folder…"
@@ -76,6 +81,11 @@ class SettingsPanel(QWidget):
             self.accept_combo.addItem(rule, rule)
             self.accept_combo.setItemData(self.accept_combo.count() - 1, ACCEPT_HELP[rule],
                                           Qt.ItemDataRole.ToolTipRole)
+        self.tree_combo = QComboBox()
+        for mode in TREE_MODES:
+            self.tree_combo.addItem(mode, mode)
+            self.tree_combo.setItemData(self.tree_combo.count() - 1, TREE_HELP[mode],
+                                        Qt.ItemDataRole.ToolTipRole)
         self.temperature = _double(0.0, 2.0, 0.1, 2)
         self.top_p = _double(0.0, 1.0, 0.05, 2)
         self.top_k = QSpinBox()
@@ -113,6 +123,7 @@ class SettingsPanel(QWidget):
         form.addRow("Draft model", self.draft_combo)
         form.addRow("K", k_row)
         form.addRow("Acceptance", self.accept_combo)
+        form.addRow("Draft trees", self.tree_combo)
         form.addRow("Temperature", self.temperature)
         form.addRow("Top-p", self.top_p)
         form.addRow("Top-k", self.top_k)
@@ -132,6 +143,7 @@ class SettingsPanel(QWidget):
         self.set_settings(controller.settings)
         for signal in (self.target_combo.currentIndexChanged, self.draft_combo.currentIndexChanged,
                        self.drafter_combo.currentIndexChanged, self.accept_combo.currentIndexChanged,
+                       self.tree_combo.currentIndexChanged,
                        self.k_auto.toggled, self.k_spin.valueChanged, self.temperature.valueChanged,
                        self.top_p.valueChanged, self.top_k.valueChanged, self.min_p.valueChanged,
                        self.max_tokens.valueChanged, self.seed.valueChanged,
@@ -153,6 +165,7 @@ class SettingsPanel(QWidget):
             drafter=str(self.drafter_combo.currentData()),
             k=None if self.k_auto.isChecked() else self.k_spin.value(),
             accept=str(self.accept_combo.currentData()),
+            tree=str(self.tree_combo.currentData()),
             temperature=self.temperature.value(),
             top_p=self.top_p.value(),
             top_k=self.top_k.value(),
@@ -169,6 +182,7 @@ class SettingsPanel(QWidget):
             self._fill_drafts(s.draft)
             _select(self.drafter_combo, s.drafter)
             _select(self.accept_combo, s.accept)
+            _select(self.tree_combo, s.tree)
             self.k_auto.setChecked(s.k is None)
             self.k_spin.setEnabled(s.k is not None)
             if s.k is not None:
@@ -242,6 +256,8 @@ class SettingsPanel(QWidget):
         self.k_spin.setEnabled(not self.k_auto.isChecked() and mode != "off")
         self.k_auto.setEnabled(mode != "off")
         self.accept_combo.setEnabled(mode != "off")
+        # the rejection rule verifies chains only (engine/tree_verify.py)
+        self.tree_combo.setEnabled(mode != "off" and self.accept_combo.currentData() == "coupled")
 
     # -- events --------------------------------------------------------------------------
     def _on_edited(self, *_: object) -> None:

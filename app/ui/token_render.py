@@ -84,7 +84,9 @@ def token_tooltip(token: Token) -> str:
     style = KIND_STYLES[token.kind]
     prob = "n/a" if token.prob is None else f"{token.prob:.1%}"
     shown = token.text if token.text.strip() else repr(token.text)
-    return f"{style.label}: {style.meaning}\ntoken {token.id} {shown!s}\ntarget probability {prob}"
+    branch = f"\nfrom the draft tree's {token.branch}" if token.branch else ""
+    return (f"{style.label}: {style.meaning}\ntoken {token.id} {shown!s}\n"
+            f"target probability {prob}{branch}")
 
 
 def _escape(text: str) -> str:

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "head", "auto")
 ACCEPT_RULES = ("coupled", "rejection")
+TREE_MODES = ("auto", "off")  # engine.tree_policy.TREE_MODES (the GUI imports no engine early)
 # Quit waits this long for the engine thread: a reply stops at its next step, but a model
 # load or a calibration cannot be interrupted (the app then leaves without it: app.ui.gui)
 ENGINE_STOP_MS = 10_000
@@ -44,6 +45,7 @@ class ChatSettings:
     drafter: str = "auto"  # one of DRAFTER_MODES; "off" is plain decoding
     k: int | None = None  # draft length; None = adaptive
     accept: str = "coupled"
+    tree: str = "auto"  # draft trees: "auto" (where they pay) or "off" (chains)
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -74,7 +76,7 @@ class ChatSettings:
                                   top_p=self.top_p, min_p=self.min_p, seed=self.seed)
         return GenerateOptions(max_tokens=self.max_tokens, sampling=sampling,
                                drafter="none" if plain else self.engine_drafter,
-                               k=self.k, accept=self.accept)
+                               k=self.k, accept=self.accept, tree=self.tree)
 
 
 @dataclass(frozen=True)
