@@ -180,6 +180,9 @@ def _stream(session, messages, options, out=sys.stdout) -> Any:
         for ev in events:
             if isinstance(ev, Step):
                 steps.append(ev)
+                if ev.error and all(ev.error != s.error for s in steps[:-1]):
+                    # the step log: a drafter's malformed draft, refused (once per kind)
+                    print(f"\n[step {len(steps)}: {ev.error}]", file=sys.stderr)
                 if out is not None:
                     out.write(ev.text)
                     out.flush()
