@@ -38,7 +38,7 @@ class CostModel:
     busy hour) and is corrected by every timed pass. A width timed in this process is
     *tested*; an untested entry is never trusted above a tested wider one (a wider pass
     does not cost less), so one live pass of a wide width caps every stale entry below
-    it. When the width-1 cost, which plain steps time all the time, drifts from where the
+    it, and one that strays from the table rescales the untested entries above it. When the width-1 cost, which plain steps time all the time, drifts from where the
     table was anchored by more than DRIFT_FRACTION, the whole curve is rescaled by that
     ratio and every other width counts as untested again (and gets probed: `DraftPolicy`).
     """
@@ -63,13 +63,18 @@ class CostModel:
         """Fold a measured pass into the table, so costs follow the machine's load.
 
         The first live timing of a width replaces a table entry it strays from by more
-        than DRIFT_FRACTION (that entry was timed some other time); later ones are smoothed.
+        than DRIFT_FRACTION (that entry was timed some other time), and rescales the
+        untested wider entries by the same ratio; later timings are smoothed.
         """
         old = self.verify_s.get(width)
         if width not in self._tested:
             old = self.verify(width)  # what the table says, caps included
             if _strays(seconds, old):
                 self.corrections.append((width, old, seconds))
+                if width > 1:  # untested wider entries are likely off the same way
+                    for w in self.verify_s:
+                        if w > width and w not in self._tested:
+                            self.verify_s[w] *= seconds / old
                 old = seconds
         self.verify_s[width] = old + COST_EMA * (seconds - old)
         self._tested.add(width)
