@@ -1,0 +1,49 @@
+"""`understudy train-drafter` and `--drafter head` from the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from tests.app.test_cli import assert_one_line_error, cli
+from tests.fixtures.tiny_models import write_tiny_model
+
+
+@pytest.fixture
+def tiny4(tmp_path: Path) -> Path:
+    return write_tiny_model(tmp_path / "tiny4", num_hidden_layers=4, seed=1)
+
+
+def test_head_without_training_is_a_one_line_error(tiny4: Path, tmp_path: Path) -> None:
+    proc = cli("generate", "--model", str(tiny4), "--drafter", "head", "--prompt", "Hi",
+               data_dir=tmp_path / "data")
+    assert_one_line_error(proc, "no trained drafter head", "understudy train-drafter")
+
+
+def test_train_then_generate_with_the_head(tiny4: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path / "data"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."})
+                                 for i in range(6)))
+    assert main(["train-drafter", "--model", str(tiny4), "--minutes", "5", "--data",
+                 str(prompts), "--max-steps", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "ckpt-0000003" in captured.out
+    assert "data" in captured.err and "done   step      3" in captured.err
+    assert main(["generate", "--model", str(tiny4), "--drafter", "head", "--k", "2",
+                 "--prompt", "Hello world", "--max-tokens", "12", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["stats"]["drafted"] > 0
+
+
+def test_bad_data_file_is_one_line(tiny4: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n")
+    proc = cli("train-drafter", "--model", str(tiny4), "--data", str(bad), "--minutes", "1",
+               data_dir=tmp_path / "data")
+    assert_one_line_error(proc, "bad.jsonl:1: not valid JSON")
