@@ -25,7 +25,7 @@ from engine.turns import take_turns
 from resources import resource_path
 
 DEFAULT_PROMPTS = resource_path("bench", "prompts.jsonl")
-MODES = ("plain", "spec")
+MODES = ("plain", "chain", "spec")  # chain: spec with draft trees off (trees vs chains)
 SLICE_STEPS = 8  # steps one mode runs before the next mode's turn (about a second here)
 BOOTSTRAP_RESAMPLES = 2000
 
@@ -60,12 +60,25 @@ class Totals:
     prompt_s: float = 0.0
     n_identical: int = 0
     n: int = 0
+    chain_tokens: int = 0
+    chain_s: float = 0.0
+    chain_passes: int = 0
+    chain_drafted: int = 0
+    chain_accepted: int = 0
+    n_chain_identical: int = 0
     extra: dict[str, float] = field(default_factory=dict)
     # per prompt with both modes: (plain tokens, plain s, spec tokens, spec s)
     pairs: list[tuple[int, float, int, float]] = field(default_factory=list)
 
-    def add(self, plain: Run | None, spec: Run | None) -> None:
+    def add(self, plain: Run | None, spec: Run | None, chain: Run | None = None) -> None:
         self.n += 1
+        if chain is not None:
+            self.chain_tokens += chain.stats.generated_tokens
+            self.chain_s += chain.stats.decode_s
+            self.chain_passes += chain.stats.target_passes
+            self.chain_drafted += chain.stats.n_drafted
+            self.chain_accepted += chain.stats.n_accepted
+            self.n_chain_identical += plain is not None and plain.text == chain.text
         if plain is not None and spec is not None:
             self.pairs.append((plain.stats.generated_tokens, plain.stats.decode_s,
                                spec.stats.generated_tokens, spec.stats.decode_s))
@@ -99,7 +112,23 @@ class Totals:
             "plain_tokens": self.plain_tokens,
             "spec_tokens": self.spec_tokens,
             "speedup_ci95": self.speedup_interval(),
+            **self._chain_row(spec_tps, plain_tps),
             **self.extra,
+        }
+
+    def _chain_row(self, spec_tps: float | None, plain_tps: float | None) -> dict:
+        """The chain mode's figures (spec with trees off), when it ran: trees vs chains."""
+        if not self.chain_s:
+            return {}
+        chain_tps = self.chain_tokens / self.chain_s
+        return {
+            "chain_tps": chain_tps,
+            "chain_speedup": chain_tps / plain_tps if plain_tps else None,
+            "chain_tau": self.chain_tokens / self.chain_passes if self.chain_passes else None,
+            "chain_acceptance": (self.chain_accepted / self.chain_drafted
+                                 if self.chain_drafted else None),
+            "trees_vs_chains": spec_tps / chain_tps if spec_tps else None,
+            "chain_identical": self.n_chain_identical == self.n if self.plain_tokens else None,
         }
 
     def speedup_interval(self, level: float = 0.95) -> list[float] | None:
@@ -198,13 +227,16 @@ def run_bench(session: ChatSession, prompts: Sequence[BenchPrompt], modes: Itera
     modes = tuple(modes)
     bad = [m for m in modes if m not in MODES]
     if bad:
-        raise EngineError(f"--modes: unknown mode(s) {', '.join(bad)} (use plain,spec)")
+        raise EngineError(f"--modes: unknown mode(s) {', '.join(bad)} (use plain,chain,spec)")
     plain_options = GenerateOptions(max_tokens=spec_options.max_tokens,
                                     sampling=spec_options.sampling, stop=spec_options.stop)
-    options = {"plain": plain_options, "spec": spec_options}
+    options = {"plain": plain_options, "spec": spec_options,
+               "chain": replace(spec_options, tree="off")}
     # plain replies get their own caches over the same loaded weights
     sessions = {"spec": session, "plain": ChatSession(session.target) if "spec" in modes
                 else session}
+    if "chain" in modes:
+        sessions["chain"] = ChatSession(session.target, session.draft, session.head)
     for m in modes:  # warm-up: compile, allocate, calibrate
         run_once(sessions[m], prompts[0].messages, options[m])
     rows, categories, overall = [], {}, Totals()
@@ -212,9 +244,10 @@ def run_bench(session: ChatSession, prompts: Sequence[BenchPrompt], modes: Itera
         order = modes if i % 2 == 0 else tuple(reversed(modes))
         runs = run_side_by_side(sessions, p.messages, options, order)
         t = Totals()
-        t.add(runs.get("plain"), runs.get("spec"))
-        overall.add(runs.get("plain"), runs.get("spec"))
-        categories.setdefault(p.category, Totals()).add(runs.get("plain"), runs.get("spec"))
+        got = (runs.get("plain"), runs.get("spec"), runs.get("chain"))
+        t.add(*got)
+        overall.add(*got)
+        categories.setdefault(p.category, Totals()).add(*got)
         row = {"id": p.id, "category": p.category, **t.row()}
         rows.append(row)
         if log is not None:
@@ -236,7 +269,18 @@ def _format_row(r: dict) -> str:
             f"tau {_fmt(r['tau'], '.2f'):>5}  acc {_fmt(r['acceptance'], '.2f'):>4}  "
             f"prompt {_fmt(r['prompt_tps']):>7} tok/s  "
             f"{'identical' if r['identical'] else ('' if r['identical'] is None else 'DIFFERENT')}"
-            f"{interval}")
+            f"{interval}{_format_chain(r)}")
+
+
+def _format_chain(r: dict) -> str:
+    """The chain mode's part of a row: its speed, tau, and trees vs chains."""
+    if "chain_tps" not in r:
+        return ""
+    same = {True: " identical", False: " DIFFERENT", None: ""}[r["chain_identical"]]
+    return (f"\n{'':<24} {'':<14} chain {_fmt(r['chain_tps']):>7} tok/s  "
+            f"x{_fmt(r['chain_speedup'], '.2f'):>5}  tau {_fmt(r['chain_tau'], '.2f'):>5}  "
+            f"acc {_fmt(r['chain_acceptance'], '.2f'):>4}  trees/chains "
+            f"x{_fmt(r['trees_vs_chains'], '.3f')}{same}")
 
 
 def describe_corrections(corrections: Sequence[tuple[int, float, float]],

@@ -61,7 +61,7 @@ def draft_step(drafter: Drafter | None, choice: Choice, context: Sequence[int],
         return Draft(())
     propose_tree = getattr(drafter, "propose_tree", None)
     if tree_extra > 0 and propose_tree is not None:
-        return propose_tree(context, choice.k, tree_extra)
+        return propose_tree(context, choice.k, tree_extra, sampling=sampling, accept=accept)
     return drafter.propose(context, choice.k, sampling, accept)
 
 

@@ -78,7 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(bench)
     bench.add_argument("--prompts", type=Path, default=None,
                        help="JSON lines {id, category, messages}; default: the bundled set")
-    bench.add_argument("--modes", default="plain,spec")
+    bench.add_argument("--modes", default="plain,spec",
+                       help="plain,spec; add 'chain' (spec with --tree off) to measure draft "
+                       "trees against chains in the same run")
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)

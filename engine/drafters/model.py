@@ -4,6 +4,11 @@ The draft samples each token with the same per-position Gumbel noise as the targ
 coupled rule), so wherever the two models agree on the distribution they pick the same
 token. Its KV cache follows the committed context via `sync_cache`, which also gives
 prefix reuse across chat turns.
+
+As a tree source (`propose_tree`, coupled rule only) it adds the draft's runner-ups at the
+shallow depths as sibling leaves (EAGLE-2 style): under the same noise, the next-best token
+is the likeliest target choice where the draft's own pick is wrong, and a leaf costs a
+verify row but no draft pass. `engine.tree_policy.prune_tree` keeps those that pay.
 """
 
 from __future__ import annotations
@@ -15,7 +20,11 @@ import mlx.core as mx
 from engine.cache import make_caches
 from engine.drafters.base import Draft, sync_cache
 from engine.sampling import SamplingParams, log_probs, sample_categorical, sample_coupled
+from engine.tree import DraftTree
 from engine.verify import draft_key
+
+# alternatives per depth a tree may add (depth 1 gets two runner-ups, depth 2 one)
+RUNNER_UPS = (2, 1)
 
 
 class ModelDrafter:
@@ -33,6 +42,7 @@ class ModelDrafter:
         self.n_layers = n_layers
         self.caches = caches if caches is not None else make_caches(model.n_layers)
         self.cached_ids: list[int] = []
+        self._raw: list[mx.array] = []  # the last proposal's draft logits per depth (1, V)
 
     def safe_ids(self, ids: mx.array) -> mx.array:
         """Ids the draft's embedding has: a target-only id reads as 0 (it only costs
@@ -61,7 +71,9 @@ class ModelDrafter:
         t = len(context)
         ids: list[mx.array] = []
         logqs: list[mx.array] = []
+        self._raw = []
         for i in range(k):
+            self._raw.append(logits)
             lq = log_probs(logits, sampling, [history] if want_history else None)
             if accept == "coupled" or sampling.greedy:
                 tok = sample_coupled(lq, sampling.seed, [t + i])
@@ -79,6 +91,44 @@ class ModelDrafter:
         out = tuple(int(x) for x in drafted.tolist())
         self.cached_ids = list(context) + list(out[:-1])
         return Draft(out, logq)
+
+    def propose_tree(self, context: Sequence[int], k: int, extra: int,
+                     sampling: SamplingParams | None = None, accept: str = "coupled") -> Draft:
+        """The chain `propose` drafts plus, within `extra` nodes, the runner-ups under the
+        same noise at depths 1..len(RUNNER_UPS) as leaves beside the chain's node there."""
+        sampling = sampling or SamplingParams()
+        chain = self.propose(context, k, sampling, accept)
+        if extra <= 0 or accept != "coupled" or chain.logq is None or not chain.ids:
+            return chain
+        t = len(context)
+        leaves: list[tuple[int, int, int]] = []  # (depth, token, logq row)
+        for depth, count in enumerate(RUNNER_UPS[: len(chain.ids)], start=1):
+            # greedy: q is one-hot, so the runner-up comes from the draft's logits
+            row = (self._raw[depth - 1].astype(mx.float32) if sampling.greedy
+                   else chain.logq[depth - 1 : depth])
+            taken = [chain.ids[depth - 1]]
+            for _ in range(count):
+                masked = row
+                for tok in taken:
+                    masked = mx.concatenate([masked[:, :tok], mx.array([[-mx.inf]]),
+                                             masked[:, tok + 1 :]], axis=1)
+                pick = (mx.argmax(masked[0]) if sampling.greedy
+                        else sample_coupled(masked, sampling.seed, [t + depth - 1])[0])
+                alt = int(pick.item())
+                if alt in taken or not mx.isfinite(masked[0, alt]).item():
+                    break
+                taken.append(alt)
+                leaves.append((depth, alt, depth - 1))
+        leaves = leaves[:extra]
+        if not leaves:
+            return chain
+        # depth-first: the chain, then the leaves from the deepest fork up
+        leaves.sort(key=lambda leaf: -leaf[0])
+        ids = [*chain.ids, *(tok for _, tok, _ in leaves)]
+        parents = [*range(-1, len(chain.ids) - 1), *(depth - 2 for depth, _, _ in leaves)]
+        rows = mx.array([*range(len(chain.ids)), *(r for _, _, r in leaves)])
+        tree = DraftTree(tuple(ids), tuple(parents))
+        return Draft(tree.ids, chain.logq[rows], tree.parents)
 
     def commit(self, context: Sequence[int]) -> None:
         """Hold exactly `context[:-1]`: trim rejected drafts, feed accepted-but-unfed ones."""

@@ -84,7 +84,8 @@ class NgramDrafter:
                 accept: str) -> Draft:
         return Draft(self.match(context, k))
 
-    def propose_tree(self, context: Sequence[int], k: int, extra: int) -> Draft:
+    def propose_tree(self, context: Sequence[int], k: int, extra: int,
+                     sampling: SamplingParams | None = None, accept: str = "coupled") -> Draft:
         """The chain `propose` drafts, plus up to `extra` nodes where other earlier matches
         continue differently (most recent first, longest suffix first)."""
         main, n = self.match_with_length(context, k)

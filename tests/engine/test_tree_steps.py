@@ -16,6 +16,7 @@ import pytest
 
 from engine.cache import cache_length, make_caches
 from engine.drafters.base import Draft
+from engine.drafters.model import RUNNER_UPS, ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.events import TokenKind
 from engine.loading import LoadedModel, load_model
@@ -61,7 +62,7 @@ class BadTrees:
     def propose(self, context, k, sampling, accept) -> Draft:
         return self.draft
 
-    def propose_tree(self, context, k, extra) -> Draft:
+    def propose_tree(self, context, k, extra, **_) -> Draft:
         return self.draft
 
     def commit(self, context) -> None:
@@ -82,7 +83,7 @@ class OracleTrees:
         self.rng = random.Random(seed)
         self.expected: list[int] = []  # per proposal: how many tokens the walk must accept
 
-    def propose_tree(self, context, k, extra) -> Draft:
+    def propose_tree(self, context, k, extra, **_) -> Draft:
         truth = self.truth[len(context) - len(PROMPT):][:k]
         seqs = []
         for _ in range(3):
@@ -193,6 +194,24 @@ def test_the_walk_finds_plain_decodings_branch_wherever_it_hides(target: LoadedM
                   if k is TokenKind.REJECTED]
         assert all(ghosts) and len(s.ids) == s.n_drafted + 1
         assert sum(k.committed for k in s.kinds) == s.n_accepted + 1
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
+                                      SamplingParams(temperature=0.8, seed=11)],
+                         ids=["T0", "T0.8"])
+def test_draft_model_runner_ups_keep_the_plain_text(target: LoadedModel, tmp_path: Path,
+                                                    sampling: SamplingParams) -> None:
+    """The draft model's trees (its runner-ups as sibling leaves at depths 1-2)."""
+    model = target.model
+    small = load_model(str(write_tiny_model(tmp_path / "d", hidden_size=32, seed=1)))
+    drafter = ModelDrafter(small.model, vocab_size=model.args.vocab_size)
+    plain, _ = run_steps(model, sampling)
+    spec, steps = run_steps(model, sampling, {"model": drafter}, AlwaysDraft("model"),
+                            check_cache=True)
+    assert spec == plain
+    trees = [s for s in steps if s.branches]
+    assert len(trees) == sum(1 for s in steps if s.n_drafted)  # every draft was a tree
+    assert all(s.n_drafted == K + sum(RUNNER_UPS) for s in trees)
 
 
 def test_trees_off_and_the_rejection_rule_verify_chains(target: LoadedModel) -> None:
