@@ -324,3 +324,22 @@ def test_head_config_json_round_trip(target: LoadedModel) -> None:
     data = config.to_json()
     assert data["draft_vocab_size"] == 77 and data["num_hidden_layers"] == 1
     assert data["vocab_size"] == target.model.args.vocab_size
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_auto_with_a_head_among_the_drafters_is_identical_to_plain(
+        target: LoadedModel, trained: HeadModel, temperature: float) -> None:
+    """In auto the head competes with prompt lookup and layer skip (trees included): every
+    pass still feeds the head's tap, and the text stays plain decoding's."""
+    sampling = SamplingParams(temperature=temperature, seed=4)
+    plain, spec = ChatSession(target), ChatSession(target, None, trained)
+    assert "head" in spec.drafters
+    messages = [{"role": "user", "content": "def add(a, b):\n    return a + b\n\ndef add(a, b):"}]
+    for turn in range(2):  # the second turn reuses the cached prefix, the head's rows too
+        want = list(plain.generate(messages, GenerateOptions(max_tokens=40,
+                                                             sampling=sampling)))[-1]
+        got = list(spec.generate(messages, GenerateOptions(max_tokens=40, sampling=sampling,
+                                                           drafter="auto")))[-1]
+        assert got.token_ids == want.token_ids, turn
+        messages = [*messages, {"role": "assistant", "content": want.text},
+                    {"role": "user", "content": "Again, please."}]
