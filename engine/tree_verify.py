@@ -29,12 +29,13 @@ from engine.verify import Verdict
 @dataclass(frozen=True)
 class TreeVerdict:
     """The accepted path (node indices, root down), then the target's own token after it;
-    `node_probs[j]` is the target's probability of node j's token under its parent's row."""
+    `node_probs[j]` is the target's probability of node j's token under its parent's row
+    (None for a rejected tree node: not computed, the walk needs only each row's sample)."""
 
     path: tuple[int, ...]
     token: int
     token_prob: float
-    node_probs: tuple[float, ...]
+    node_probs: tuple[float | None, ...]
 
     @classmethod
     def from_chain(cls, verdict: Verdict) -> TreeVerdict:
@@ -66,22 +67,19 @@ def verify_tree_coupled(logits: mx.array, tree: DraftTree, context: Sequence[int
     sample at that position; stop at the first position with no such child (the sample is
     the REPLACED token) or at a leaf (the sample is the BONUS token).
 
-    One sampler call covers every node's check (against its parent's row) and every row's
-    own sample; rows are read back once.
+    One sampler call gives every row's own sample at its position (row 0 at t0, node j's
+    row at t0 + depth); rows are read back once.
     """
     t0, n = len(context), len(tree)
-    parent_rows = [0 if p == ROOT else 1 + p for p in tree.parents]
-    rows = parent_rows + list(range(n + 1))
-    depth_of_row = [0, *tree.depths]
-    positions = [t0 + depth_of_row[r] for r in rows]
+    positions = row_positions(tree, t0)
     histories = None
     if sampling.repetition_penalty != 1.0:
-        histories = [_row_history(context, tree, r) for r in rows]
-    picked = logits[mx.array(rows)] if rows != list(range(len(rows))) else logits
-    sampled = coupled_rows(picked, sampling, histories, positions, tree.ids)
-    mx.eval(sampled.tokens, sampled.p_token, sampled.p_draft)
-    tokens = sampled.tokens.tolist()[n:]  # each row's own sample
-    p_token = sampled.p_token.tolist()[n:]
+        histories = [_row_history(context, tree, r) for r in range(n + 1)]
+    sampled = coupled_rows(logits, sampling, histories, positions)
+    mx.eval(sampled.tokens, sampled.p_token)
+    tokens = sampled.tokens.tolist()
+    p_token = sampled.p_token.tolist()
+    probs: list[float | None] = [None] * n
     children = tree.children
     path: list[int] = []
     node, row = ROOT, 0
@@ -89,8 +87,8 @@ def verify_tree_coupled(logits: mx.array, tree: DraftTree, context: Sequence[int
         want = tokens[row]
         nxt = next((c for c in children.get(node, ()) if tree.ids[c] == want), None)
         if nxt is None:
-            return TreeVerdict(tuple(path), int(want), float(p_token[row]),
-                               tuple(sampled.p_draft.tolist()))
+            return TreeVerdict(tuple(path), int(want), float(p_token[row]), tuple(probs))
+        probs[nxt] = float(p_token[row])  # an accepted node is its parent row's sample
         path.append(nxt)
         node, row = nxt, 1 + nxt
 

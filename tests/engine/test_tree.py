@@ -215,7 +215,7 @@ def test_walk_negative_control() -> None:
     """A tree whose every first-level token differs from the target's sample accepts none."""
     logits = mx.array([[0.0, 9.0, 0.0, 0.0]] * 4)
     params = SamplingParams(temperature=0.0)
-    verdict = verify_tree_coupled(logits, DraftTree((0, 2), (-1, -1)), [1], params)
+    verdict = verify_tree_coupled(logits[:3], DraftTree((0, 2), (-1, -1)), [1], params)
     assert verdict.path == () and verdict.token == 1
     verdict = verify_tree_coupled(logits, DraftTree((0, 1, 1), (-1, -1, 1)), [1], params)
     assert verdict.path == (1, 2) and verdict.token == 1
