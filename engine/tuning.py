@@ -10,6 +10,7 @@ drafting does not pay.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ OPTIMISTIC_ACCEPTANCE = 0.8  # a drafter that cannot pay even at this rate is ne
 DRAFT_MARGIN = 0.15
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
 DRIFT_FRACTION = 0.3  # a timing this far off the table (either way) says the table is stale
+DRIFT_EMA = 0.05  # weight of one width-1 timing in the drift that rescales the table
 PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
 COST_PROBES = True  # verify untested widths now and then (off only for a negative control)
 PROBE_SHARE = 0.05  # cost probes may take about this share of decode time
@@ -38,7 +40,8 @@ class CostModel:
     busy hour) and is corrected by every timed pass. A width timed in this process is
     *tested*; an untested entry is never trusted above a tested wider one (a wider pass
     does not cost less), so one live pass of a wide width caps every stale entry below
-    it, and one that strays from the table rescales the untested entries above it. When the width-1 cost, which plain steps time all the time, drifts from where the
+    it, and one that strays from the table rescales the untested entries above it. When
+    width-1 timings, which plain steps take all the time, drift (smoothed) from where the
     table was anchored by more than DRIFT_FRACTION, the whole curve is rescaled by that
     ratio and every other width counts as untested again (and gets probed: `DraftPolicy`).
     """
@@ -56,6 +59,7 @@ class CostModel:
         self._curve: list[float] | None = None
         self._tested: set[int] = set()  # widths timed live since the table was anchored
         self._anchor = self.verify_s.get(1)  # the width-1 cost the table agrees with
+        self._drift = 0.0  # smoothed log(width-1 timing / anchor)
         # what live timings changed, for the user: (width, table seconds, live seconds)
         self.corrections: list[tuple[int, float, float]] = []
 
@@ -79,21 +83,28 @@ class CostModel:
         self.verify_s[width] = old + COST_EMA * (seconds - old)
         self._tested.add(width)
         if width == 1:
-            self._check_anchor()
+            self._check_anchor(seconds)
         self._curve = None
 
-    def _check_anchor(self) -> None:
-        """Rescale the curve when the width-1 cost has drifted from the table's anchor."""
-        now = self.verify_s[1]
-        if self._anchor is None or not _strays(now, self._anchor):
-            self._anchor = self._anchor or now
+    def _check_anchor(self, seconds: float) -> None:
+        """Rescale the curve when width-1 timings have drifted from the table's anchor.
+
+        The drift is a slow average of log(timing / anchor) (DRIFT_EMA), so one busy
+        moment on a shared machine does not rescale the table; a lasting change does.
+        """
+        if self._anchor is None:
+            self._anchor = self.verify_s[1]
             return
+        self._drift += DRIFT_EMA * (math.log(max(seconds, 1e-9) / self._anchor) - self._drift)
+        if abs(self._drift) <= math.log1p(DRIFT_FRACTION):
+            return
+        now = self.verify_s[1]
         ratio = now / self._anchor
         self.corrections.append((1, self._anchor, now))
         # what tested widths taught (caps on stale entries) is kept, then scaled
         self.verify_s[1] = self._anchor
         self.verify_s = {w: sec * ratio for w, sec in self._points()}
-        self._anchor = now
+        self._anchor, self._drift = now, 0.0
         self._tested = {1}
 
     def tested(self, width: int) -> bool:

@@ -353,6 +353,17 @@ def test_a_rescale_keeps_what_tested_widths_taught() -> None:
     assert costs.verify(1) <= costs.verify(2)
 
 
+def test_a_short_burst_of_slow_width_one_passes_does_not_rescale() -> None:
+    """A busy moment (three passes at 5x) is not a lasting drift; ten of them are."""
+    costs = timed(CostModel(dict(TRUE)))
+    for seconds in [5 * TRUE[1]] * 3 + [TRUE[1]] * 30:
+        costs.observe(1, seconds)
+    assert costs.corrections == [] and costs.tested(16)
+    for _ in range(10):
+        costs.observe(1, 5 * TRUE[1])
+    assert [w for w, _, _ in costs.corrections] == [1] and not costs.tested(2)
+
+
 def test_width_one_noise_within_the_fraction_leaves_the_curve_alone() -> None:
     costs = timed(CostModel(dict(TRUE)))
     for i in range(60):  # +-20% around the table, never a sustained drift
