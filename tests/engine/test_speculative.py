@@ -147,7 +147,8 @@ def test_self_draft_accepts_everything_and_still_matches(self_session: ChatSessi
     assert spec.token_ids == plain.token_ids
     check_steps(steps, spec)
     if drafter == "model":
-        assert spec.stats.acceptance == 1.0
+        # every draft's chain passes (a tree's runner-up leaves are rejected ghosts)
+        assert all(s.n_accepted == s.k for s in steps[1:-1])
         assert spec.stats.tau > 4.0  # k + 1 tokens per pass, except at the end
         assert steps[0].tokens[-1].kind is TokenKind.TARGET  # the prefill's own token
         assert all(s.tokens[-1].kind is TokenKind.BONUS for s in steps[1:-1])
@@ -222,7 +223,9 @@ def check_steps(steps: list[Step], finished: Finished) -> None:
         else:  # the last step may end early (max tokens, eos, stop string)
             assert kinds == full[: len(kinds)]
             assert len(step.committed) <= step.n_accepted + 1
-        assert step.n_drafted == 0 or step.k + EXTRA_NODES * tree >= step.n_drafted
+        # a tree adds up to EXTRA_NODES beyond K (a cut-short last step may hide its ghosts)
+        extra = EXTRA_NODES if tree or i == len(steps) - 1 else 0
+        assert step.n_drafted == 0 or step.k + extra >= step.n_drafted
         assert (step.drafter == "none") == (step.n_drafted == 0)
         rejected = [t for t in step.tokens if t.kind is TokenKind.REJECTED]
         replaced = [t for t in step.tokens if t.kind is TokenKind.REPLACED]
@@ -265,7 +268,9 @@ def test_model_drafter_accounting_and_cache_lengths(session: ChatSession,
                 continue
             if len(event.committed) == event.n_accepted + 1:  # not cut short at the end
                 assert session.cache_lengths() == {"target": n, "draft": n}
-            assert event.k == k and event.n_drafted == k and event.drafter == "model"
+            # K drafts, plus the runner-ups a draft tree kept
+            assert event.k == k and k <= event.n_drafted <= k + EXTRA_NODES
+            assert event.drafter == "model"
         elif isinstance(event, Finished):
             finished = event
     check_steps(steps, finished)
