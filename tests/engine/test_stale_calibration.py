@@ -1,0 +1,115 @@
+"""A stale calibration must not turn speculation off for good (issue 10, item 1).
+
+The demo model on code-editing prompts, four replies per prompt side by side in one process
+(`engine.turns`, as `understudy bench` runs them): plain decoding; prompt lookup with a
+fresh calibration; prompt lookup with the same calibration seeded stale in
+`calibration.json` (every width >= 2 priced 10x, as a table timed before OpenBLAS was
+installed); and the stale one again with cost probes switched off, the negative control
+that shows the lock-out the probes exist to break.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+import engine.tuning
+from engine.bench import DEFAULT_PROMPTS, Run, Totals, load_prompts
+from engine.calibration import CALIBRATION_FILE
+from engine.decode import ChatSession, GenerateOptions
+from engine.events import Finished
+from engine.loading import load_model
+from engine.turns import take_turns
+
+N_PROMPTS = 2
+MAX_TOKENS = 64
+SLICE_STEPS = 8
+STALE_FACTOR = 10.0
+TOLERANCE = 0.10  # the recovered speedup is within this fraction of the fresh one
+
+
+def seed_stale(fresh_dir: Path, stale_dir: Path) -> None:
+    """Copy the fresh calibration with every width >= 2 priced STALE_FACTOR times higher."""
+    table = json.loads((fresh_dir / "cache" / CALIBRATION_FILE).read_text())
+    for entry in table.values():
+        entry["verify_s"] = {w: s * (STALE_FACTOR if int(w) >= 2 else 1.0)
+                             for w, s in entry["verify_s"].items()}
+    (stale_dir / "cache").mkdir(parents=True)
+    (stale_dir / "cache" / CALIBRATION_FILE).write_text(json.dumps(table))
+
+
+def side_by_side(sessions: dict[str, ChatSession], messages: list[dict[str, str]],
+                 options: dict[str, GenerateOptions], probes: dict[str, bool],
+                 monkeypatch: pytest.MonkeyPatch) -> dict[str, Run]:
+    """Every reply from a cold cache, taking turns; a policy reads COST_PROBES when made."""
+    streams = {}
+    for name, session in sessions.items():
+        session.reset()
+        monkeypatch.setattr(engine.tuning, "COST_PROBES", probes.get(name, True))
+        streams[name] = session.generate(messages, options[name])
+    monkeypatch.setattr(engine.tuning, "COST_PROBES", True)
+    runs = {}
+    for turn in take_turns(streams, lambda steps, _seconds: steps >= SLICE_STEPS):
+        if isinstance(turn.event, Finished):
+            f = turn.event
+            runs[turn.name] = Run(f.text, replace(f.stats, decode_s=turn.own_s))
+    return runs
+
+
+@pytest.mark.slow
+def test_a_stale_calibration_recovers_within_the_first_prompt(
+        demo_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = [p for p in load_prompts(DEFAULT_PROMPTS)
+               if p.category == "code-editing"][:N_PROMPTS]
+    target = load_model(str(demo_model_dir))
+    spec = GenerateOptions(max_tokens=MAX_TOKENS, drafter="ngram")
+    options = {"plain": GenerateOptions(max_tokens=MAX_TOKENS), "fresh": spec,
+               "stale": spec, "control": spec}
+    fresh_dir, stale_dir = tmp_path / "fresh", tmp_path / "stale"
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(fresh_dir))
+    sessions = {name: ChatSession(target) for name in options}
+    # the fresh session calibrates now (and warms the model up); the stale ones load the
+    # same table, seeded stale, when their first reply starts
+    list(sessions["fresh"].generate(prompts[0].messages, replace(spec, max_tokens=1)))
+    seed_stale(fresh_dir, stale_dir)
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(stale_dir))
+
+    totals = {name: Totals() for name in ("fresh", "stale", "control")}
+    first: dict[str, Run] = {}
+    for i, p in enumerate(prompts):
+        names = list(options) if i % 2 == 0 else list(reversed(options))
+        runs = side_by_side({n: sessions[n] for n in names}, p.messages, options,
+                            {"control": False}, monkeypatch)
+        first = first or runs
+        for name, t in totals.items():
+            t.add(runs["plain"], runs[name])
+            assert runs[name].text == runs["plain"].text  # probes are normal, lossless steps
+
+    def speedup(name: str, runs: dict[str, Run] | None = None) -> float:
+        if runs is None:
+            return totals[name].row()["speedup"]
+        r, plain = runs[name].stats, runs["plain"].stats
+        return (r.generated_tokens / r.decode_s) / (plain.generated_tokens / plain.decode_s)
+
+    figures = {n: (speedup(n, first), speedup(n)) for n in totals}
+    print("speedup (first prompt, all prompts):",
+          {n: f"x{a:.2f}, x{b:.2f}" for n, (a, b) in figures.items()})
+    stale, control = sessions["stale"].costs, sessions["control"].costs
+    assert stale is not None and control is not None
+    # the stale table was corrected by live passes within the first prompt ...
+    notes = f"{figures}; stale table corrections {stale.corrections}"
+    assert any(w >= 2 and new < old / 2 for w, old, new in stale.corrections), notes
+    assert first["stale"].stats.n_drafted > 0, notes
+    # ... and the bench recovered to within TOLERANCE of the fresh calibration's speedup,
+    # from its first prompt on
+    assert figures["fresh"][1] > 1.3, notes
+    for which in (0, 1):
+        assert abs(figures["stale"][which] / figures["fresh"][which] - 1) <= TOLERANCE, notes
+    # negative control: without probes the stale table locks prompt lookup out for good
+    assert totals["control"].drafted == 0 and not control.tested(2), notes
+    assert figures["control"][1] < (1 - TOLERANCE) * figures["fresh"][1], notes
+    shutil.rmtree(stale_dir)
