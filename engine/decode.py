@@ -103,6 +103,11 @@ class ChatSession:
         self._policy_memory: dict[str, PolicyMemory] = {}  # per drafter mode, across replies
 
     @property
+    def costs(self) -> CostModel | None:
+        """The pass-cost model adaptive replies use (None until the first one calibrates)."""
+        return self._costs
+
+    @property
     def context_window(self) -> int:
         return int(self.target.model.args.max_position_embeddings)
 
