@@ -40,7 +40,7 @@ class CostModel:
     busy hour) and is corrected by every timed pass. A width timed in this process is
     *tested*; an untested entry is never trusted above a tested wider one (a wider pass
     does not cost less), so one live pass of a wide width caps every stale entry below
-    it, and one that strays from the table rescales the untested entries above it. When
+    it, and one far below the table rescales the untested entries above it. When
     width-1 timings, which plain steps take all the time, drift (smoothed) from where the
     table was anchored by more than DRIFT_FRACTION, the whole curve is rescaled by that
     ratio and every other width counts as untested again (and gets probed: `DraftPolicy`).
@@ -66,14 +66,17 @@ class CostModel:
     def observe(self, width: int, seconds: float) -> None:
         """Fold a measured pass into the table, so costs follow the machine's load.
 
-        The first live timing of a width replaces a table entry it strays from by more
+        The first live timing of a width replaces a table entry it undercuts by more
         than DRIFT_FRACTION (that entry was timed some other time), and rescales the
-        untested wider entries by the same ratio; later timings are smoothed.
+        untested wider entries by the same ratio; other timings are smoothed.
         """
         old = self.verify_s.get(width)
         if width not in self._tested:
             old = self.verify(width)  # what the table says, caps included
-            if _strays(seconds, old):
+            # only a cheaper pass is taken whole: a table too high keeps the policy from
+            # ever timing that width again, one too low is corrected by the passes it
+            # brings (and on a shared machine a single slow timing is often just load)
+            if seconds * (1 + DRIFT_FRACTION) < old:
                 self.corrections.append((width, old, seconds))
                 if width > 1:  # untested wider entries are likely off the same way
                     for w in self.verify_s:
@@ -137,11 +140,6 @@ class CostModel:
             sec = sec if w in self._tested else min(sec, cap)
             points.append((w, max(sec, points[-1][1]) if points else sec))
         return points
-
-
-def _strays(seconds: float, reference: float) -> bool:
-    """Whether a timing is more than DRIFT_FRACTION off `reference`, either way."""
-    return not reference / (1 + DRIFT_FRACTION) <= seconds <= reference * (1 + DRIFT_FRACTION)
 
 
 def _interpolate(points: list[tuple[int, float]], width: int) -> float:

@@ -324,6 +324,16 @@ def test_a_live_pass_between_calibrated_widths_corrects_the_curve_too() -> None:
     assert costs.tested(7) and not costs.tested(8)
 
 
+def test_a_first_timing_above_the_table_is_smoothed_not_taken_whole() -> None:
+    """A slow first pass may be the machine's load: an optimistic entry is corrected by the
+    passes the policy keeps making at it, so one timing does not replace it."""
+    costs = CostModel({1: 0.100, 8: 0.200, 16: 0.300})
+    costs.observe(8, 0.600)
+    assert costs.verify(8) == pytest.approx(0.200 + COST_EMA * 0.400)
+    assert costs.verify(16) == 0.300 and costs.corrections == []
+    assert costs.tested(8)
+
+
 def test_a_first_timing_near_the_table_is_smoothed_not_taken_whole() -> None:
     costs = CostModel({1: 0.100, 8: 0.200})
     costs.observe(8, 0.200 * (1 + DRIFT_FRACTION * 0.9))
