@@ -259,3 +259,18 @@ def test_tree_stats_learn_how_often_an_alternative_wins() -> None:
     for _ in range(20):
         stats.observe(TREE, ())  # both root children lost
     assert stats.alt.alpha < before
+
+
+def test_the_feature_tap_keeps_the_accepted_path_rows() -> None:
+    """The trained head reads the target's states by position: after a tree's pass the
+    tap's rows get the same gather as the cache."""
+    from engine.models.taps import FeatureTap
+
+    tap = FeatureTap([0], owner=None)
+    rows = mx.arange(10, dtype=mx.float32)[:, None]  # position p holds the value p
+    tap.record(0, {0: rows[None]})
+    tap.compact(5, [0, 2, 3])
+    assert tap.length == 8
+    assert tap.rows(0, 8)[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 8]
+    tap.compact(3, [0, 1])  # a chain's prefix: a plain cut
+    assert tap.rows(0, tap.length)[:, 0].tolist() == [0, 1, 2, 3, 4]
