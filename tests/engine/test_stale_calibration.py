@@ -23,6 +23,7 @@ from engine.calibration import CALIBRATION_FILE
 from engine.decode import ChatSession, GenerateOptions
 from engine.events import Finished
 from engine.loading import load_model
+from engine.tuning import CostModel
 from engine.turns import take_turns
 
 N_PROMPTS = 2
@@ -33,11 +34,17 @@ TOLERANCE = 0.10  # the recovered speedup is within this fraction of the fresh o
 
 
 def seed_stale(fresh_dir: Path, stale_dir: Path) -> None:
-    """Copy the fresh calibration with every width >= 2 priced STALE_FACTOR times higher."""
+    """Copy the fresh calibration with every width >= 2 priced STALE_FACTOR times higher.
+
+    Inflated from the cost curve (never below width 1), not from the raw timings: on a
+    busy machine a calibration's width-1 median can come out above wider ones, and a wide
+    entry 10x that would still be under 10x width 1.
+    """
     table = json.loads((fresh_dir / "cache" / CALIBRATION_FILE).read_text())
     for entry in table.values():
-        entry["verify_s"] = {w: s * (STALE_FACTOR if int(w) >= 2 else 1.0)
-                             for w, s in entry["verify_s"].items()}
+        curve = CostModel({int(w): s for w, s in entry["verify_s"].items()})
+        entry["verify_s"] = {w: curve.verify(int(w)) * (STALE_FACTOR if int(w) >= 2 else 1.0)
+                             for w in entry["verify_s"]}
     (stale_dir / "cache").mkdir(parents=True)
     (stale_dir / "cache" / CALIBRATION_FILE).write_text(json.dumps(table))
 
