@@ -19,6 +19,7 @@ import mlx.core as mx
 
 from engine.cache import cache_length, make_caches, trim_caches
 from engine.calibration import calibration_key, load_or_measure_costs, measure_costs
+from engine.choices import ACCEPT_RULES, DRAFTERS, TREE_MODES
 from engine.drafters.base import Drafter
 from engine.drafters.head import HeadDrafter, HeadModel
 from engine.drafters.layerskip import LayerSkipDrafter
@@ -31,11 +32,7 @@ from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.stopping import StopMatcher
-from engine.tree_policy import TREE_MODES
 from engine.tuning import AcceptanceEstimate, CostModel, DraftPolicy, PolicyMemory
-
-DRAFTERS = ("none", "model", "ngram", "layerskip", "head", "auto")
-ACCEPT_RULES = ("coupled", "rejection")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from engine.tree import ROOT, DraftTree
 from engine.tuning import AcceptanceEstimate, CostModel, expected_tokens
 
-TREE_MODES = ("auto", "off")
 EXTRA_NODES = 8  # most nodes a tree may add beyond its main chain
 ALT_PRIOR = 0.35  # prior chance an alternative child is right after its sibling missed
 

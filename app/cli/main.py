@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from app.bounded_exit import exit_code, exit_now
 from app.cli.launcher import ensure_openblas
+from engine.choices import ACCEPT_RULES, DRAFTERS, TREE_MODES
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -23,12 +24,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="model folder, HF repo id in the local HF cache, or 'demo' (default)")
     p.add_argument("--draft", default=None, help="draft model for --drafter model/auto")
     p.add_argument("--drafter", default="none",
-                   choices=["none", "model", "ngram", "layerskip", "head", "auto"],
+                   choices=DRAFTERS,
                    help="speculative drafter (default: none = plain decoding)")
     p.add_argument("--k", default="auto", help="draft length: 'auto' (adaptive) or a number")
-    p.add_argument("--accept", default="coupled", choices=["coupled", "rejection"],
+    p.add_argument("--accept", default="coupled", choices=ACCEPT_RULES,
                    help="lossless acceptance rule")
-    p.add_argument("--tree", default="auto", choices=["auto", "off"],
+    p.add_argument("--tree", default="auto", choices=TREE_MODES,
                    help="draft trees: auto (where the measured costs say a tree pays; "
                    "coupled rule only) or off (chains)")
 

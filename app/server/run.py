@@ -14,6 +14,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from engine.choices import DRAFTERS
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="model folder, HF repo id in the local HF cache, or 'demo' (default)")
     p.add_argument("--draft", default=None, help="draft model for --drafter model/auto")
     p.add_argument("--drafter", default="auto",
-                   choices=["none", "model", "ngram", "layerskip", "auto"],
+                   choices=DRAFTERS,
                    help="default drafter for requests (default: auto); a request may name "
                    "another in the extension field 'drafter'")
     p.add_argument("--host", default=DEFAULT_HOST,

@@ -30,7 +30,8 @@ from PySide6.QtWidgets import (
 
 from app.hub.model_choices import available_models, draft_incompatibility
 from app.ui.controller import ChatController
-from app.ui.worker import ACCEPT_RULES, DRAFTER_MODES, TREE_MODES, ChatSettings, ModelInfo
+from app.ui.worker import DRAFTER_MODES, ChatSettings, ModelInfo
+from engine.choices import ACCEPT_RULES, TREE_MODES
 
 DRAFTER_HELP = {
     "off": "Plain decoding: one target pass per token",

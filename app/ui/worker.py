@@ -26,8 +26,6 @@ from engine.events import Finished, PromptProgress, Step
 log = logging.getLogger(__name__)
 
 DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "head", "auto")
-ACCEPT_RULES = ("coupled", "rejection")
-TREE_MODES = ("auto", "off")  # engine.tree_policy.TREE_MODES (the GUI imports no engine early)
 # Quit waits this long for the engine thread: a reply stops at its next step, but a model
 # load or a calibration cannot be interrupted (the app then leaves without it: app.ui.gui)
 ENGINE_STOP_MS = 10_000
