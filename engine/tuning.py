@@ -376,7 +376,7 @@ class DraftPolicy:
         Prompt lookup drafts what it matched (free to draft); other drafters double the
         widest tested width, up to PROBE_DRAFT_PASSES target passes' worth of drafting.
         Probes are spaced so they take about PROBE_SHARE of decode time, priced at what the
-        last one cost once timed; the first may come at once.
+        last one cost beyond plain steps committing its tokens; the first may come at once.
         """
         costs = self.costs
         if not self.cost_probes or costs is None or self.fixed_k is not None:
@@ -438,6 +438,8 @@ class DraftPolicy:
                 n_drafted, n_accepted)
         if seconds is not None and width and self.costs is not None and self.fixed_k is None:
             if choice.probe and self.memory.cost_probe is not None:
-                extra = max(seconds - self.costs.verify(1), 0.0)
+                # what it cost beyond plain steps committing the same tokens: a probe whose
+                # drafts were accepted cost nothing
+                extra = max(seconds - (n_accepted + 1) * self.costs.verify(1), 0.0)
                 self.memory.cost_probe = (self.memory.cost_probe[0], extra)
             self.costs.observe(width, seconds)

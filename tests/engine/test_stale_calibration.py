@@ -31,6 +31,7 @@ MAX_TOKENS = 64
 SLICE_STEPS = 8
 STALE_FACTOR = 10.0
 TOLERANCE = 0.10  # the recovered speedup is within this fraction of the fresh one
+FIRST_PROMPT_TOLERANCE = 0.25  # the first prompt's own figure (one short reply: noisy)
 
 
 def seed_stale(fresh_dir: Path, stale_dir: Path) -> None:
@@ -91,7 +92,11 @@ def test_a_stale_calibration_recovers_within_the_first_prompt(
         names = list(options) if i % 2 == 0 else list(reversed(options))
         runs = side_by_side({n: sessions[n] for n in names}, p.messages, options,
                             {"control": False}, monkeypatch)
-        first = first or runs
+        if not first:
+            first = runs
+            stale_costs = sessions["stale"].costs
+            assert stale_costs is not None
+            corrected_in_first = list(stale_costs.corrections)
         for name, t in totals.items():
             t.add(runs["plain"], runs[name])
             assert runs[name].text == runs["plain"].text  # probes are normal, lossless steps
@@ -109,13 +114,16 @@ def test_a_stale_calibration_recovers_within_the_first_prompt(
     assert stale is not None and control is not None
     # the stale table was corrected by live passes within the first prompt ...
     notes = f"{figures}; stale table corrections {stale.corrections}"
-    assert any(w >= 2 and new < old / 2 for w, old, new in stale.corrections), notes
+    assert any(w >= 2 and new < old / 2 for w, old, new in corrected_in_first), notes
     assert first["stale"].stats.n_drafted > 0, notes
-    # ... and the bench recovered to within TOLERANCE of the fresh calibration's speedup,
-    # from its first prompt on
+    # ... so the bench, first prompt included, is within TOLERANCE of the fresh
+    # calibration's speedup
     assert figures["fresh"][1] > 1.3, notes
-    for which in (0, 1):
-        assert abs(figures["stale"][which] / figures["fresh"][which] - 1) <= TOLERANCE, notes
+    assert abs(figures["stale"][1] / figures["fresh"][1] - 1) <= TOLERANCE, notes
+    # One 64-token prompt alone is at this machine's noise floor (a plain-only control's
+    # per-prompt figure has read x0.90-x1.55 under load): the first prompt is held to
+    # FIRST_PROMPT_TOLERANCE, which a locked-out first prompt (x1.0 against ~x2) misses.
+    assert figures["stale"][0] >= (1 - FIRST_PROMPT_TOLERANCE) * figures["fresh"][0], notes
     # negative control: without probes the stale table locks prompt lookup out for good
     assert totals["control"].drafted == 0 and not control.tested(2), notes
     assert figures["control"][1] < (1 - TOLERANCE) * figures["fresh"][1], notes

@@ -387,9 +387,10 @@ COPYING = [*range(100, 140), 7, *range(100, 120)]  # the reply copies the prompt
 
 def run_policy(costs: CostModel, steps: int, probes: bool, monkeypatch: pytest.MonkeyPatch,
                true: dict[int, float] = TRUE,
-               load: Callable[[int], float] = lambda step: 1.0) -> list[Choice]:
+               load: Callable[[int], float] = lambda step: 1.0,
+               accepted: bool = True) -> list[Choice]:
     """The policy on copied text, each step timed at `true` costs times the machine's
-    `load` at that step, and every draft accepted."""
+    `load` at that step, every draft accepted (or, with `accepted` off, none)."""
     monkeypatch.setattr("engine.tuning.COST_PROBES", probes)
     policy = DraftPolicy("ngram", ("ngram",), costs, ngram_match=ngram_match)
     truth = CostModel(dict(true))
@@ -398,7 +399,8 @@ def run_policy(costs: CostModel, steps: int, probes: bool, monkeypatch: pytest.M
         choice = policy.choose(COPYING)
         n_drafted = choice.k if choice.drafter else 0
         width = n_drafted + 1
-        policy.update(choice, n_drafted, n_drafted, truth.verify(width) * load(step), width)
+        policy.update(choice, n_drafted, n_drafted if accepted else 0,
+                      truth.verify(width) * load(step), width)
         choices.append(choice)
     return choices
 
@@ -426,12 +428,14 @@ def test_a_confirmed_expensive_table_gets_no_probes(monkeypatch: pytest.MonkeyPa
 def test_cost_probes_take_a_small_share_of_time_when_the_table_was_right(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Wide passes really cost 10x, and the machine's load swings 2x every 100 steps, so the
-    width-1 drift keeps marking the table untested: the probes that follow cost about
-    PROBE_SHARE of the time, and prompt lookup never drafts otherwise."""
+    width-1 drift keeps marking the table untested: the probes that follow (all rejected,
+    the worst case) cost about PROBE_SHARE of the time, and prompt lookup never drafts
+    otherwise."""
     def load(step: int) -> float:
         return 2.0 if step // 100 % 2 else 1.0
 
-    choices = run_policy(CostModel(dict(STALE)), 600, True, monkeypatch, STALE, load)
+    choices = run_policy(CostModel(dict(STALE)), 600, True, monkeypatch, STALE, load,
+                         accepted=False)
     probes = [i for i, c in enumerate(choices) if c.drafter]
     assert probes[0] == 0 and len(probes) >= 3  # the swings re-arm the probes
     assert all(choices[i].k == K_MAX for i in probes)
