@@ -107,6 +107,12 @@ class TokenCache:
             raise ValueError(f"cannot trim {self.offset} rows to {length}")
         self.offset = length
 
+    def compact(self, start: int, keep: Sequence[int]) -> None:
+        """The rejection rule verifies chains only, so what is kept is always a prefix."""
+        if list(keep) != list(range(len(keep))):
+            raise ValueError(f"a token cache keeps chain prefixes only, got {list(keep)}")
+        self.trim(start + len(keep))
+
 
 class TableModel:
     """A real model's logits for every reachable prefix, served through the model protocol.
