@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -145,25 +145,52 @@ def _record(target, options: TrainOptions, trainer: Trainer, data_tokens: int,
     }
 
 
+class ActiveClock:
+    """Seconds spent working, not waiting: a front end that pauses the job between two
+    progress reports (to write a chat reply) does not spend the job's `minutes` on it."""
+
+    def __init__(self) -> None:
+        self._spent = 0.0
+        self._since: float | None = time.perf_counter()
+
+    def pause(self) -> None:
+        if self._since is not None:
+            self._spent += time.perf_counter() - self._since
+            self._since = None
+
+    def resume(self) -> None:
+        self._since = time.perf_counter()
+
+    def elapsed(self) -> float:
+        running = 0.0 if self._since is None else time.perf_counter() - self._since
+        return self._spent + running
+
+
 def train_drafter(target, options: TrainOptions | None = None,
                   cancel: threading.Event | None = None,
                   root: Path | None = None) -> Iterator[TrainProgress]:
-    """Make data, then train, until `minutes`, `max_steps` or `cancel`; see module doc.
+    """Make data, then train, until `minutes` of work, `max_steps` or `cancel`; see module
+    doc. Time the caller spends between two reports is not counted.
 
     `target` is a `LoadedModel`; every MLX call happens on the caller's thread.
     """
     options = options or TrainOptions()
     if options.minutes <= 0:
         raise EngineError(f"--minutes must be positive, got {options.minutes}")
+    clock = ActiveClock()
+    for progress in _run(target, options, cancel, root, clock.elapsed):
+        clock.pause()
+        yield progress
+        clock.resume()
+
+
+def _run(target, options: TrainOptions, cancel: threading.Event | None,
+         root: Path | None, elapsed: Callable[[], float]) -> Iterator[TrainProgress]:
     model = target.model
     root = root or head_root(target.path)
     data_dir = root / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
     budget = options.minutes * 60.0
-
-    def elapsed() -> float:
-        return time.perf_counter() - t0
 
     def stopped() -> bool:
         return (cancel is not None and cancel.is_set()) or elapsed() >= budget

@@ -258,3 +258,18 @@ def test_checkpoints_never_leave_a_half_written_head(target: LoadedModel,
 def test_time_budget_must_be_positive(target: LoadedModel) -> None:
     with pytest.raises(EngineError, match="--minutes must be positive"):
         next(train_drafter(target, TrainOptions(minutes=0)))
+
+
+def test_time_the_caller_holds_the_job_is_not_spent_from_its_minutes() -> None:
+    """The app answers a chat message between two training slices; that wait is not
+    training time (the control: a clock left running counts it)."""
+    import time
+
+    from engine.training.job import ActiveClock
+
+    paused, running = ActiveClock(), ActiveClock()
+    paused.pause()
+    time.sleep(0.3)
+    paused.resume()
+    assert paused.elapsed() < 0.1
+    assert running.elapsed() >= 0.3
