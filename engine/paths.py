@@ -22,18 +22,20 @@ def app_data_dir() -> Path:
     return root
 
 
-def models_dir() -> Path:
-    """Imported models (GGUF conversions, the demo model) live here as HF-style folders."""
-    d = app_data_dir() / "models"
+def _subdir(name: str) -> Path:
+    d = app_data_dir() / name
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def models_dir() -> Path:
+    """Imported models (GGUF conversions, the demo model) live here as HF-style folders."""
+    return _subdir("models")
 
 
 def cache_dir() -> Path:
     """Small derived files (calibration results) that can be rebuilt at any time."""
-    d = app_data_dir() / "cache"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return _subdir("cache")
 
 
 def log_dir() -> Path:
@@ -48,6 +50,4 @@ def log_dir() -> Path:
 
 def heads_dir() -> Path:
     """Trained drafter heads, one folder per target, keyed by a hash of its weights."""
-    d = app_data_dir() / "heads"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    return _subdir("heads")
