@@ -3,7 +3,9 @@
 The cache is preallocated in chunks so the decode loop writes in place instead of
 concatenating every step, and it can be cut back to any committed length: speculative
 verification writes K+1 rows, then keeps only the accepted prefix. `compact` keeps a
-chosen subset of freshly written rows (the accepted path through a draft tree).
+chosen subset of freshly written rows (the accepted path through a draft tree): the rows
+that move are gathered through `kernels.dispatch` (the KV-compaction kernel where doctor
+allowed it, MLX's gather elsewhere), then written into place.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
+
+from kernels import dispatch
 
 
 @runtime_checkable
@@ -79,17 +83,22 @@ class PreallocatedKVCache:
         self.offset = length
 
     def compact(self, start: int, keep: Sequence[int]) -> None:
+        keep = list(keep)
         if self.keys is None or not keep:
             self.trim(start)
             return
-        if list(keep) == list(range(len(keep))):  # a chain's prefix: nothing to move
-            self.trim(start + len(keep))
-            return
+        if start < 0 or min(keep) < 0 or start + max(keep) >= self.offset:
+            raise ValueError(f"cannot keep rows {keep} after row {start} of a cache of "
+                             f"{self.offset} rows")
         assert self.values is not None
-        idx = mx.array([start + i for i in keep])
+        moved = rows_in_place(keep)  # a chain's prefix moves nothing at all
         end = start + len(keep)
-        self.keys[..., start:end, :] = self.keys[..., idx, :]
-        self.values[..., start:end, :] = self.values[..., idx, :]
+        if moved < len(keep):
+            # gathered into a separate buffer first, so no row is overwritten before it is read
+            k, v = dispatch.gather_kv_rows(self.keys, self.values,
+                                           [start + i for i in keep[moved:]])
+            self.keys[..., start + moved : end, :] = k
+            self.values[..., start + moved : end, :] = v
         self.offset = end
 
     @property
@@ -98,6 +107,14 @@ class PreallocatedKVCache:
         if self.keys is None or self.values is None:
             return None
         return self.keys, self.values
+
+
+def rows_in_place(keep: Sequence[int]) -> int:
+    """How many leading kept rows are already where they belong (keep[i] == i)."""
+    n = 0
+    while n < len(keep) and keep[n] == n:
+        n += 1
+    return n
 
 
 def make_caches(n_layers: int, chunk: int = 256) -> list[PreallocatedKVCache]:

@@ -15,7 +15,7 @@ from itertools import product
 
 import mlx.core as mx
 
-from kernels import qmm, verify_sampler
+from kernels import kv_compact, qmm, verify_sampler
 from kernels.noise import keys_array, positions_u32
 from kernels.verify_sampler import SamplerSpec
 
@@ -51,6 +51,13 @@ def qmm_variants() -> Iterator[tuple[mx.Dtype, int, int, int]]:
     yield from product(qmm.KERNEL_DTYPES, qmm.BITS, qmm.GROUP_SIZES, rows)
 
 
+def kv_compact_variants() -> Iterator[tuple[mx.Dtype, int, int]]:
+    """Every (dtype, head dim, kept rows) kind the compaction dispatcher can launch: MLX
+    passes fewer than 8 rows in constant memory and more in device memory, so one count of
+    each."""
+    yield from product(kv_compact.KERNEL_DTYPES, kv_compact.HEAD_DIMS, (2, kv_compact.MAX_ROWS))
+
+
 def trace_all() -> int:
     """Trace every variant once (sources go to stdout); returns how many were traced."""
     count = 0
@@ -78,6 +85,14 @@ def trace_all() -> int:
             return qmm.run_kernel(x, w, s, b, group_size, bits, verbose=True)
 
         trace(matmul, x, w, scales.astype(dtype), biases.astype(dtype))
+        count += 1
+    for dtype, head_dim, n_rows in kv_compact_variants():
+        cache = mx.zeros((1, 2, 32, head_dim), dtype=dtype)
+
+        def gather(k: mx.array, v: mx.array, rows: mx.array) -> list[mx.array]:
+            return list(kv_compact.run_kernel(k, v, rows, verbose=True))
+
+        trace(gather, cache, cache, mx.arange(n_rows, dtype=mx.int32))
         count += 1
     return count
 

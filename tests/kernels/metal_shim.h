@@ -19,11 +19,10 @@ typedef short int16_t;
 typedef unsigned char uint8_t;
 typedef _Float16 half;
 typedef half float16_t;  // MLX's name for half in generated signatures
-struct bfloat {
-  uint16_t bits;
-  bfloat(float);
-  operator float() const;
-};
+// Metal's bfloat (MSL 3.1) is a built-in scalar: it converts to and from float and copies
+// between address spaces like half. clang 14 has no arithmetic bf16 type on this target, so
+// ARM's __fp16 (also a distinct scalar, promoted to float in arithmetic) stands in for it.
+typedef __fp16 bfloat;
 typedef bfloat bfloat16_t;
 
 template <typename T> struct vec2 { T x, y; };

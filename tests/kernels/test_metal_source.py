@@ -8,7 +8,8 @@ metal_shim.h, a small stand-in for Metal's address spaces, types and built-ins. 
 transformation: the attribute lists on the closing explicit instantiation line
 (`template [[host_name(..)]] [[kernel]] decltype(..) name<..>;`) are dropped, because
 C++ does not allow attributes there and Metal does. Negative controls: kernels with an
-undeclared name, and with a device pointer assigned to a thread pointer, must fail.
+undeclared name, with a device pointer assigned to a thread pointer, and writing into an
+input (MLX passes inputs as const), must fail.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.capture import qmm_variants, sampler_variants, split_sources
+from kernels.capture import kv_compact_variants, qmm_variants, sampler_variants, split_sources
 
 CLANG = shutil.which("clang++")
 SHIM = Path(__file__).with_name("metal_shim.h")
@@ -40,6 +41,9 @@ BROKEN = {
     "device pointer into a thread pointer": (
         "thread float* p = out; p[thread_position_in_grid.x] = inp[0];",
         "cannot initialize a variable"),
+    # MLX passes inputs as const: a kernel cannot compact a cache in place by writing to it.
+    "write into an input": ("inp[thread_position_in_grid.x] = out[0];",
+                            "read-only variable is not assignable"),
 }
 CONTROL = "out[thread_position_in_grid.x] = metal::exp(inp[thread_position_in_grid.x]);"
 
@@ -94,17 +98,19 @@ def clang_check(source: str, tmp: Path, name: str) -> subprocess.CompletedProces
 def test_every_variant_is_captured(sources: dict[str, str]) -> None:
     n_sampler = 2 * len(list(sampler_variants()))  # tile and reduce pass per variant
     n_qmm = len(list(qmm_variants()))
+    n_kv = len(list(kv_compact_variants()))
     names = list(sources)
-    assert len(names) == n_sampler + n_qmm
+    assert len(names) == n_sampler + n_qmm + n_kv
     assert sum("verify_sampler_tiles" in n for n in names) == n_sampler // 2
     assert sum("qmm_small" in n for n in names) == n_qmm
+    assert sum("kv_compact" in n for n in names) == n_kv
     assert all("template <typename T" in src for src in sources.values())
 
 
 @needs_clang
 def test_every_variant_passes_clang(sources: dict[str, str], tmp_path: Path) -> None:
     units = translation_units(sources)
-    assert len(units) == 3  # the sampler's two passes and the matmul
+    assert len(units) == 4  # the sampler's two passes, the matmul and the KV compaction
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
         procs = dict(zip(units, pool.map(lambda item: clang_check(item[1], tmp_path, item[0]),
                                          units.items()), strict=True))
