@@ -31,7 +31,8 @@ class Token:
     `text` is the exact text this token adds to the reply (empty while a multi-byte
     character is incomplete; the completing token carries it). `prob` is the target's
     probability of this token (None where it was not computed). `branch` names the draft
-    tree branch a rejected token came from ("" for a chain's tokens).
+    tree branch a rejected token came from, e.g. "branch 2 of 3, diverged at depth 1" ("" for
+    committed tokens and a chain's rejected ones).
     """
 
     id: int
@@ -43,7 +44,13 @@ class Token:
 
 @dataclass(frozen=True)
 class Step:
-    """One target forward pass and what it decided, tokens in display order."""
+    """One target forward pass and what it decided, tokens in display order.
+
+    Rejected drafts ("ghosts") stand at their position: each losing branch (a chain's
+    rejected tail, or a draft tree's branch from where it left the accepted path) comes
+    right after the committed token it hangs from, before the committed token that took
+    its place. So a view renders `tokens` in order; `committed` drops the ghosts.
+    """
 
     tokens: tuple[Token, ...]
     n_drafted: int = 0

@@ -121,25 +121,54 @@ def step_kinds(n_drafted: int, n_accepted: int) -> list[TokenKind]:
     return kinds + [TokenKind.BONUS]
 
 
+def ghost_label(branch: int, n_branches: int, depth: int) -> str:
+    """How a losing branch is named on its ghosts (the chat view's tooltip)."""
+    return f"branch {branch} of {n_branches}, diverged at depth {depth}"
+
+
 def verified_step(tree: DraftTree, verdict: TreeVerdict) -> tuple[list[int], list[TokenKind],
                                                                    list[float | None],
                                                                    list[str] | None]:
-    """Display order of a verified tree: the accepted path, every other node as a rejected
-    ghost (named by its branch), then the target's token (BONUS after a leaf)."""
+    """Display order of a verified tree: the committed tokens (the accepted path, then the
+    target's token: BONUS after a leaf, else REPLACED), and every branch the walk left as
+    rejected ghosts at its position: right after the committed token it hangs from, i.e.
+    before the committed token at the depth where it diverged. Each ghost is named by its
+    branch ("" for a chain's one losing tail, which lands before the REPLACED token).
+
+    A branch shows its tokens from where it left the accepted path to its leaf, so two
+    branches sharing a losing prefix both show it: each ghost reads as one whole guess."""
     path = verdict.path
-    on_path = set(path)
-    rest = [j for j in range(len(tree)) if j not in on_path]
     leaf = not tree.children.get(path[-1] if path else ROOT)
-    order = [*path, *rest]
-    ids = [tree.ids[j] for j in order] + [verdict.token]
-    kinds = ([TokenKind.ACCEPTED] * len(path) + [TokenKind.REJECTED] * len(rest)
-             + [TokenKind.BONUS if leaf else TokenKind.REPLACED])
-    probs: list[float | None] = [*(verdict.node_probs[j] for j in order), verdict.token_prob]
-    branches = None
-    if not tree.is_chain:
-        names = tree.branch_names()
-        branches = [""] * len(path) + [names[j] for j in rest] + [""]
-    return ids, kinds, probs, branches
+    branches = tree.leaf_paths()
+    ghosts: dict[int, list[tuple[int, tuple[int, ...]]]] = {}  # committed index -> ghosts
+    for b, nodes in enumerate(branches, start=1):
+        at = 0
+        while at < min(len(nodes), len(path)) and nodes[at] == path[at]:
+            at += 1
+        if at < len(nodes):
+            ghosts.setdefault(at, []).append((b, nodes[at:]))
+    ids: list[int] = []
+    kinds: list[TokenKind] = []
+    probs: list[float | None] = []
+    labels: list[str] = []
+    for i in range(len(path) + 1):
+        for b, nodes in ghosts.get(i, ()):
+            label = "" if tree.is_chain else ghost_label(b, len(branches), i + 1)
+            for j in nodes:
+                ids.append(tree.ids[j])
+                kinds.append(TokenKind.REJECTED)
+                probs.append(verdict.node_probs[j])
+                labels.append(label)
+        if i < len(path):
+            ids.append(tree.ids[path[i]])
+            kinds.append(TokenKind.ACCEPTED)
+            probs.append(verdict.node_probs[path[i]])
+        else:
+            ids.append(verdict.token)
+            kinds.append(TokenKind.BONUS if leaf else TokenKind.REPLACED)
+            probs.append(verdict.token_prob)
+        labels.append("")
+    return ids, kinds, probs, None if tree.is_chain else labels
 
 
 def speculative_steps(

@@ -30,7 +30,7 @@ class RawStep:
     verify_s: float = 0.0
     k: int = 0
     drafter: str = "none"
-    branches: list[str] | None = None  # per id: its draft tree branch ("" on the chain)
+    branches: list[str] | None = None  # per id: a tree ghost's branch name, else ""
     error: str = ""  # a malformed draft the step refused (it ran as a plain step)
 
 

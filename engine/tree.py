@@ -81,17 +81,10 @@ class DraftTree:
             node = self.parents[node]
         return out[::-1]
 
-    def branch_names(self) -> tuple[str, ...]:
-        """A name per node for the display: 'branch b' counts root-to-leaf paths in order,
-        'from depth d' is where it left the branch before it (the main branch is 1)."""
-        names: list[str] = []
-        branch, fork = 1, 1
-        for i, p in enumerate(self.parents):
-            if i and p != i - 1:  # a new branch starts here
-                branch, fork = branch + 1, self.depths[i]
-            names.append("main branch" if branch == 1
-                         else f"branch {branch} (forks at depth {fork})")
-        return tuple(names)
+    def leaf_paths(self) -> tuple[tuple[int, ...], ...]:
+        """The tree's branches: every root-to-leaf path (node indices), in depth-first
+        order, so branch 1 is the first chain."""
+        return tuple(tuple(self.path(i)) for i in range(len(self)) if i not in self.children)
 
 
 def validate_tree(tree: DraftTree, vocab_size: int, max_nodes: int, max_depth: int) -> None:

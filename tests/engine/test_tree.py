@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 from engine.cache import cache_length, make_caches
 from engine.drafters.base import Draft
 from engine.drafters.ngram import NgramDrafter
+from engine.events import TokenKind
 from engine.loading import LoadedModel, load_model
 from engine.sampling import SamplingParams, coupled_rows
-from engine.speculative import checked_draft
+from engine.speculative import checked_draft, verified_step
 from engine.tree import (
     ROOT,
     DraftTree,
@@ -30,7 +31,7 @@ from engine.tree import (
     validate_tree,
 )
 from engine.tree_policy import EXTRA_NODES, TreeStats, prune_tree
-from engine.tree_verify import commit_path, tree_pass, verify_tree_coupled
+from engine.tree_verify import TreeVerdict, commit_path, tree_pass, verify_tree_coupled
 from engine.tuning import CostModel
 from engine.verify import verify_coupled_logits
 from tests.fixtures.tiny_models import write_tiny_model
@@ -56,10 +57,37 @@ def test_shape_of_a_tree() -> None:
     assert TREE.path(4) == [0, 3, 4]
     assert DraftTree.chain([3, 4, 5]).parents == (-1, 0, 1)
     assert DraftTree.chain([3, 4, 5]).is_chain
-    names = TREE.branch_names()
-    assert names[:3] == ("main branch",) * 3
-    assert names[3] == names[4] == "branch 2 (forks at depth 2)"
-    assert names[5] == "branch 3 (forks at depth 1)"
+    assert TREE.leaf_paths() == ((0, 1, 2), (0, 3, 4), (5,))
+    assert DraftTree.chain([3, 4]).leaf_paths() == ((0, 1),)
+
+
+def test_losing_branches_show_where_they_left_the_accepted_path() -> None:
+    """Display order: each losing branch right after the committed token it hangs from."""
+    A, R, P, B = TokenKind.ACCEPTED, TokenKind.REJECTED, TokenKind.REPLACED, TokenKind.BONUS
+    probs = (0.9, None, None, 0.8, 0.7, None)
+    # the walk took 5 -> 8 and then the target's 77 (node 3 still had a child: REPLACED)
+    ids, kinds, _, names = verified_step(TREE, TreeVerdict((0, 3), 77, 0.5, probs))
+    assert list(zip(ids, kinds, names, strict=True)) == [
+        (4, R, "branch 3 of 3, diverged at depth 1"),  # node 5, beside node 0
+        (5, A, ""),
+        (6, R, "branch 1 of 3, diverged at depth 2"),  # nodes 1, 2 under node 0
+        (7, R, "branch 1 of 3, diverged at depth 2"),
+        (8, A, ""),
+        (9, R, "branch 2 of 3, diverged at depth 3"),  # node 4: the target said 77 there
+        (77, P, ""),
+    ]
+    # the walk ends at the leaf 9: BONUS, and branch 2 lost nothing
+    ids, kinds, _, _ = verified_step(TREE, TreeVerdict((0, 3, 4), 77, 0.5, probs))
+    assert ids == [4, 5, 6, 7, 8, 9, 77] and kinds == [R, A, R, R, A, A, B]
+    # two branches sharing a losing prefix: each ghost is one whole guess
+    fork = DraftTree((5, 6, 7, 8, 9), (-1, 0, 1, 1, -1))  # 5 -> 6 -> {7, 8}; 9
+    ids, kinds, _, names = verified_step(fork, TreeVerdict((4,), 77, 0.5, (None,) * 5))
+    assert ids == [5, 6, 7, 5, 6, 8, 9, 77] and kinds == [R] * 6 + [A, B]
+    assert names[3] == "branch 2 of 3, diverged at depth 1"
+    # a chain: its rejected tail before the REPLACED token, unnamed
+    ids, kinds, _, names = verified_step(DraftTree.chain([5, 6, 7]),
+                                         TreeVerdict((0,), 77, 0.5, (0.9, 0.1, None)))
+    assert ids == [5, 6, 7, 77] and kinds == [A, R, R, P] and names is None
 
 
 def test_ancestor_mask_and_positions() -> None:
