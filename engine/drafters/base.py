@@ -7,15 +7,16 @@ committed context so it can cut its own state back (or catch up) to match.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import mlx.core as mx
 
 from engine.cache import KVCache, cache_length, trim_caches
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, log_probs, sample_categorical, sample_coupled
 from engine.tree import DraftTree
+from engine.verify import draft_key
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,54 @@ class Draft:
         if self.parents is None:
             return DraftTree.chain(self.ids)
         return DraftTree(tuple(self.ids), tuple(self.parents))
+
+
+@dataclass(frozen=True)
+class DraftRun:
+    """What `draft_tokens` drew: the tokens, their log-distributions q (k, V) and the raw
+    logits of each depth (1, V) before the sampling processors (tree sources read them)."""
+
+    ids: tuple[int, ...]
+    logq: mx.array
+    logits: tuple[mx.array, ...]
+
+
+def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
+                 context: Sequence[int], k: int, sampling: SamplingParams,
+                 accept: str) -> DraftRun:
+    """The one autoregressive draft loop: k tokens after `context` as one lazy graph,
+    evaluated once at the end.
+
+    `logits` (1, V) is the drafter's prediction for position len(context); `step(tok)`
+    feeds the drawn token (shape (1,)) to the drafter and returns its logits (1, V) for the
+    next position (a draft model runs its LM, a head its own output state). Each token is
+    drawn with the target's coupled noise at its absolute position (or, under the rejection
+    rule at T > 0, from q with the position's draft key), so a draft that agrees with the
+    target picks the target's own token; q is recorded for the rejection rule.
+    """
+    want_history = sampling.repetition_penalty != 1.0
+    history = list(context)
+    t = len(context)
+    ids: list[mx.array] = []
+    logqs: list[mx.array] = []
+    raw: list[mx.array] = []
+    for i in range(k):
+        raw.append(logits)
+        lq = log_probs(logits, sampling, [history] if want_history else None)
+        if accept == "coupled" or sampling.greedy:
+            tok = sample_coupled(lq, sampling.seed, [t + i])
+        else:
+            tok = sample_categorical(mx.exp(lq), draft_key(sampling.seed, t + i))
+        ids.append(tok)
+        logqs.append(lq)
+        if want_history:
+            history.append(int(tok.item()))
+        if i < k - 1:
+            logits = step(tok)
+    drafted = mx.concatenate(ids)
+    logq = mx.concatenate(logqs)
+    mx.eval(drafted, logq)
+    return DraftRun(tuple(int(x) for x in drafted.tolist()), logq, tuple(raw))
 
 
 class Drafter(Protocol):

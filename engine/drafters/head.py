@@ -23,11 +23,10 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.cache import KVCache, PreallocatedKVCache
-from engine.drafters.base import Draft
+from engine.drafters.base import Draft, draft_tokens
 from engine.models.decoder import MLP, Attention, Linear, ModelArgs
 from engine.models.taps import FeatureTap
-from engine.sampling import SamplingParams, log_probs, sample_categorical, sample_coupled
-from engine.verify import draft_key
+from engine.sampling import SamplingParams, log_probs, sample_coupled
 
 HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -257,30 +256,21 @@ class HeadDrafter:
         self.commit(context)
         if self._last is None:
             return Draft(())
-        want_history = sampling.repetition_penalty != 1.0
-        history = list(context)
-        t = len(context)
         out = self._last
-        ids: list[mx.array] = []
-        logqs: list[mx.array] = []
-        for i in range(k):
-            full = self.head.lift(self.head.logits(out[0]))  # (1, V)
-            lq = log_probs(full, sampling, [history] if want_history else None)
-            if accept == "coupled" or sampling.greedy:
-                tok = sample_coupled(lq, sampling.seed, [t + i])
-            else:
-                tok = sample_categorical(mx.exp(lq), draft_key(sampling.seed, t + i))
-            ids.append(tok)
-            logqs.append(lq)
-            if want_history:
-                history.append(int(tok.item()))
-            if i < k - 1:
-                out = self.head(out, tok[None], cache=self.cache)
-        drafted = mx.concatenate(ids)
-        logq = mx.concatenate(logqs)
-        mx.eval(drafted, logq)
+
+        def step(tok: mx.array) -> mx.array:
+            """Feed the drawn token with the head's own output state as its hidden input."""
+            nonlocal out
+            out = self.head(out, tok[None], cache=self.cache)
+            return self._full_logits(out)
+
+        run = draft_tokens(self._full_logits(out), step, context, k, sampling, accept)
         self.cache.trim(len(context) - 1)
-        return Draft(tuple(int(x) for x in drafted.tolist()), logq)
+        return Draft(run.ids, run.logq)
+
+    def _full_logits(self, out: mx.array) -> mx.array:
+        """Output state (1, 1, D) -> logits over the target's vocabulary (1, V)."""
+        return self.head.lift(self.head.logits(out[0]))
 
     def reset(self) -> None:
         self.cache.trim(0)
@@ -300,7 +290,7 @@ class HeadDrafter:
         for _ in range(reps + 1):
             t0 = time.perf_counter()
             o = self.head(hidden[:, :1], mx.zeros((1, 1), dtype=mx.int32), cache=cache)
-            lq = log_probs(self.head.lift(self.head.logits(o[0])), SamplingParams())
+            lq = log_probs(self._full_logits(o), SamplingParams())
             mx.eval(sample_coupled(lq, 0, [40]))
             samples.append(time.perf_counter() - t0)
             cache.trim(32)

@@ -18,10 +18,9 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from engine.cache import make_caches
-from engine.drafters.base import Draft, sync_cache
-from engine.sampling import SamplingParams, log_probs, sample_categorical, sample_coupled
+from engine.drafters.base import Draft, draft_tokens, sync_cache
+from engine.sampling import SamplingParams, sample_coupled
 from engine.tree import DraftTree
-from engine.verify import draft_key
 
 # alternatives per depth a tree may add (depth 1 gets two runner-ups, depth 2 one)
 RUNNER_UPS = (2, 1)
@@ -65,32 +64,12 @@ class ModelDrafter:
         if k <= 0:
             return Draft(())
         self.commit(context)
-        logits = self._forward(mx.array([[context[-1]]]))[-1:]  # (1, V)
-        want_history = sampling.repetition_penalty != 1.0
-        history = list(context)
-        t = len(context)
-        ids: list[mx.array] = []
-        logqs: list[mx.array] = []
-        self._raw = []
-        for i in range(k):
-            self._raw.append(logits)
-            lq = log_probs(logits, sampling, [history] if want_history else None)
-            if accept == "coupled" or sampling.greedy:
-                tok = sample_coupled(lq, sampling.seed, [t + i])
-            else:
-                tok = sample_categorical(mx.exp(lq), draft_key(sampling.seed, t + i))
-            ids.append(tok)
-            logqs.append(lq)
-            if want_history:
-                history.append(int(tok.item()))
-            if i < k - 1:
-                logits = self._forward(tok[None])[-1:]
-        drafted = mx.concatenate(ids)
-        logq = mx.concatenate(logqs)
-        mx.eval(drafted, logq)
-        out = tuple(int(x) for x in drafted.tolist())
-        self.cached_ids = list(context) + list(out[:-1])
-        return Draft(out, logq)
+        first = self._forward(mx.array([[context[-1]]]))[-1:]  # (1, V)
+        run = draft_tokens(first, lambda tok: self._forward(tok[None])[-1:], context, k,
+                           sampling, accept)
+        self._raw = list(run.logits)
+        self.cached_ids = list(context) + list(run.ids[:-1])
+        return Draft(run.ids, run.logq)
 
     def propose_tree(self, context: Sequence[int], k: int, extra: int,
                      sampling: SamplingParams | None = None, accept: str = "coupled") -> Draft:
