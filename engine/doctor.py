@@ -169,22 +169,27 @@ class KernelPlan:
 
     sampler_widths: tuple[int, ...] = ()
     qmm_widths: tuple[int, ...] = ()
+    kv_compact_widths: tuple[int, ...] = ()
 
 
 def plan_from(verdicts: list[KernelVerdict]) -> KernelPlan:
     by_name = {v.name: v for v in verdicts}
     sampler = by_name.get("verify_sampler")
     matmul = by_name.get("qmm")
+    compaction = by_name.get("kv_compact")
+
     def widths(v: KernelVerdict | None) -> tuple[int, ...]:
         return tuple(v.widths) if v is not None and v.passed and v.use else ()
 
-    return KernelPlan(sampler_widths=widths(sampler), qmm_widths=widths(matmul))
+    return KernelPlan(sampler_widths=widths(sampler), qmm_widths=widths(matmul),
+                      kv_compact_widths=widths(compaction))
 
 
 def apply_verdicts(verdicts: list[KernelVerdict]) -> None:
     """Tell the dispatcher what passed (and won) here; everything else stays off."""
     plan = plan_from(verdicts)
-    dispatch.configure(sampler_widths=plan.sampler_widths, qmm_widths=plan.qmm_widths)
+    dispatch.configure(sampler_widths=plan.sampler_widths, qmm_widths=plan.qmm_widths,
+                       kv_compact_widths=plan.kv_compact_widths)
 
 
 def apply_saved_verdicts() -> None:
@@ -193,17 +198,23 @@ def apply_saved_verdicts() -> None:
         apply_verdicts(saved_verdicts())
 
 
+def unjudged(stored: list[KernelVerdict]) -> list[str]:
+    """The kernels this setup has no verdict for (all of them when nothing is stored)."""
+    have = {v.name for v in stored}
+    return [name for name in selftest.JUDGES if name not in have]
+
+
 def run_doctor(recheck: bool = False) -> DoctorReport:
     """Check this machine; on Metal, test the kernels not yet judged (all with `recheck`)."""
     backend = default_backend()
     report = DoctorReport(backend, device_name(), mx.__version__,
                           blas_info() if backend == "cpu" else None)
     if backend == "metal":
-        stored = saved_verdicts()
-        if stored and not recheck:
-            report.verdicts, report.from_store = stored, True
-        else:
-            report.verdicts = selftest.run()
+        stored = [] if recheck else saved_verdicts()
+        missing = unjudged(stored)
+        report.verdicts, report.from_store = stored, not missing
+        if missing:  # kernels added since the last run (or all of them) are judged now
+            report.verdicts = stored + selftest.run(missing)
             save_verdicts(report.verdicts)
         apply_verdicts(report.verdicts)
     report.active = dispatch.active()

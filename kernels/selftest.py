@@ -5,7 +5,8 @@ kernel that disagrees with its reference on any case fails, with the first disag
 as the reason. Then speed, because a correct kernel is still only worth using where it is
 faster: the sampler against its reference at K=4 on a 0.5B-class vocabulary, the matmul
 against MLX's `quantized_matmul` (and the reference) at every width 1-16 on a 0.5B-class
-layer. Needs Metal; elsewhere `run` reports that the references are in use.
+layer, the KV compaction against MLX's gathers for 1-16 moved rows of a 0.5B-class cache.
+Needs Metal; elsewhere `run` reports that the references are in use.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from kernels import qmm, verify_sampler
+from kernels import kv_compact, qmm, verify_sampler
 from kernels.noise import keys_array, positions_u32
 from kernels.source import metal_available
 from kernels.verify_sampler import LOG_PROBS, SampledRows, SamplerSpec
@@ -30,6 +31,7 @@ WIDTHS = tuple(range(1, 17))
 WIN_MARGIN = 0.95  # a kernel must take >= 5% off to be used at a width
 TARGET_SAMPLER_SAVING = 0.30  # stated: >= 30% off the sampling time at K=4
 TARGET_QMM_RATIO_8 = 1.6  # stated: an 8-row 4-bit pass <= 1.6x a 1-row pass (M1/M2)
+KV_CACHE = (24, 2, 1024, 64)  # Qwen2.5-0.5B: layers, kv heads, rows held, head dim
 
 
 @dataclass
@@ -250,8 +252,95 @@ def qmm_verdict() -> KernelVerdict:
     return verdict
 
 
-def run() -> list[KernelVerdict]:
-    """Every kernel's verdict on this device (empty without Metal: references in use)."""
+# --------------------------------------------------------------------------- KV compaction
+
+KvCase = tuple[mx.array, mx.array, list[int]]
+
+
+def kv_compact_cases() -> list[KvCase]:
+    """Every covered dtype and head dim, each with the kinds of rows the cache moves: one
+    row, a contiguous run, a tree path with gaps, the longest path (MAX_ROWS rows)."""
+    rng = random.Random(2)
+    cases = []
+    for dtype in kv_compact.KERNEL_DTYPES:
+        for head_dim in kv_compact.HEAD_DIMS:
+            for batch, heads in ((1, 2), (2, 8)):
+                shape = (batch, heads, 48, head_dim)
+                keys = _normal(shape, rng.randrange(2**31)).astype(dtype)
+                values = _normal(shape, rng.randrange(2**31)).astype(dtype)
+                n = rng.randrange(2, kv_compact.MAX_ROWS)
+                for rows in ([rng.randrange(48)], list(range(20, 20 + n)),
+                             sorted(rng.sample(range(24, 48), n)),
+                             sorted(rng.sample(range(8, 48), kv_compact.MAX_ROWS))):
+                    cases.append((keys, values, rows))
+    return cases
+
+
+def check_kv_compact(candidate: Callable[..., tuple[mx.array, mx.array]] | None = None,
+                     cases: list[KvCase] | None = None) -> tuple[bool, str]:
+    """Kernel (or another gather with its contract) against the reference: a copy, so
+    every element must be equal."""
+    candidate = candidate or kv_compact.run_kernel
+    for keys, values, rows in cases or kv_compact_cases():
+        idx = mx.array(rows, dtype=mx.int32)
+        want = kv_compact.reference(keys, values, idx)
+        got = candidate(keys, values, idx)
+        for label, a, b in zip(("keys", "values"), want, got, strict=True):
+            if a.shape != b.shape or not mx.array_equal(a, b).item():
+                return False, (f"{label} differ from the reference ({keys.dtype}, "
+                               f"{tuple(keys.shape)}, rows {rows})")
+    return True, ""
+
+
+def time_kv_compact(series: dict[str, Callable[..., tuple[mx.array, mx.array]]] | None = None,
+                    ) -> dict[str, dict[int, float]]:
+    """Milliseconds to gather 1-16 moved rows from every layer of a 0.5B-class float16
+    cache, per series (reference and kernel). The slice updates that then place them are
+    the same either way: not timed."""
+    series = series or {"reference": kv_compact.reference, "kernel": kv_compact.run_kernel}
+    n_layers, heads, capacity, head_dim = KV_CACHE
+    layers = [(_normal((1, heads, capacity, head_dim), 2 * i).astype(mx.float16),
+               _normal((1, heads, capacity, head_dim), 2 * i + 1).astype(mx.float16))
+              for i in range(n_layers)]
+    mx.eval(layers)
+    rng = random.Random(3)
+    out: dict[str, dict[int, float]] = {name: {} for name in series}
+    for n in WIDTHS:
+        rows = sorted(rng.sample(range(capacity - 24, capacity), n))
+        idx = mx.array(rows, dtype=mx.int32)
+        for name, gather in series.items():
+            def call(gather=gather, idx=idx) -> object:
+                return [gather(k, v, idx) for k, v in layers]
+
+            out[name][n] = timed_ms(call)
+    return out
+
+
+def kv_compact_verdict() -> KernelVerdict:
+    verdict = KernelVerdict("kv_compact", passed=False)
+    try:
+        verdict.passed, verdict.reason = check_kv_compact()
+    except Exception as e:
+        return KernelVerdict("kv_compact", False, f"{type(e).__name__}: {e}")
+    if not verdict.passed:
+        return verdict
+    t = verdict.timings_ms = time_kv_compact()
+    verdict.widths = [n for n, ms in t["kernel"].items() if ms < t["reference"][n] * WIN_MARGIN]
+    verdict.use = bool(verdict.widths)
+    n_layers, heads, capacity, head_dim = KV_CACHE
+    verdict.notes.append(
+        f"widths are moved rows; {n_layers} layers x (keys, values), {heads} kv heads, "
+        f"head dim {head_dim}, float16: one dispatch per layer vs two gathers")
+    return verdict
+
+
+JUDGES: dict[str, Callable[[], KernelVerdict]] = {
+    "verify_sampler": sampler_verdict, "qmm": qmm_verdict, "kv_compact": kv_compact_verdict}
+
+
+def run(only: Collection[str] | None = None) -> list[KernelVerdict]:
+    """Every kernel's verdict on this device, or only the named kernels' (empty without
+    Metal: references in use)."""
     if not metal_available():
         return []
-    return [sampler_verdict(), qmm_verdict()]
+    return [judge() for name, judge in JUDGES.items() if only is None or name in only]

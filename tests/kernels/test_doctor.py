@@ -64,6 +64,19 @@ def test_only_kernels_that_passed_and_won_are_planned() -> None:
     broken_qmm = KernelVerdict("qmm", passed=False, reason="x", use=True, widths=[2])
     assert plan_from([broken_qmm]) == KernelPlan()
     assert plan_from([]) == KernelPlan()  # never judged: references
+    compaction = KernelVerdict("kv_compact", passed=True, use=True, widths=[2, 16])
+    assert plan_from([compaction, SLOWER]) == KernelPlan(kv_compact_widths=(2, 16))
+    assert plan_from([KernelVerdict("kv_compact", passed=False, use=True,
+                                    widths=[2])]) == KernelPlan()
+
+
+def test_kernels_added_since_the_last_run_are_judged() -> None:
+    """A setup whose verdicts predate a kernel gets that kernel judged on the next run; the
+    stored verdicts stand (no re-measuring); nothing stored means every kernel."""
+    assert doctor.unjudged([FAILED, WINS]) == ["kv_compact"]
+    assert doctor.unjudged([]) == ["verify_sampler", "qmm", "kv_compact"]
+    judged = [FAILED, WINS, KernelVerdict("kv_compact", passed=True)]
+    assert doctor.unjudged(judged) == []
 
 
 def test_verdicts_round_trip_per_setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,8 +113,9 @@ def test_a_failed_kernel_shows_its_reason_and_stays_off() -> None:
 
 @no_metal
 def test_without_metal_the_dispatcher_ignores_any_plan() -> None:
-    dispatch.configure(sampler_widths=[1, 5], qmm_widths=[2, 4, 8])
+    dispatch.configure(sampler_widths=[1, 5], qmm_widths=[2, 4, 8], kv_compact_widths=[3])
     try:
-        assert dispatch.active() == {"verify_sampler_widths": [], "qmm_widths": []}
+        assert dispatch.active() == {"verify_sampler_widths": [], "qmm_widths": [],
+                                     "kv_compact_widths": []}
     finally:
         dispatch.configure()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kernels import qmm, selftest, verify_sampler
+from kernels import kv_compact, qmm, selftest, verify_sampler
 from kernels.verify_sampler import SampledRows
 
 
@@ -53,7 +53,37 @@ def test_qmm_checker_passes_mlxs_matmul_and_fails_a_wrong_one() -> None:
     assert not passed and "differs from the reference" in reason
 
 
+def test_kv_compact_checker_passes_the_reference_and_fails_wrong_gathers() -> None:
+    cases = selftest.kv_compact_cases()
+    assert len(cases) == 4 * 2 * len(kv_compact.HEAD_DIMS) * len(kv_compact.KERNEL_DTYPES)
+    assert {len(rows) for _, _, rows in cases} >= {1, kv_compact.MAX_ROWS}
+    passed, reason = selftest.check_kv_compact(kv_compact.reference)
+    assert passed, reason
+
+    def next_row(keys, values, rows):  # an off-by-one source row
+        return kv_compact.reference(keys, values, (rows + 1) % keys.shape[2])
+
+    def keys_twice(keys, values, rows):  # the values read from the keys buffer
+        k, _ = kv_compact.reference(keys, values, rows)
+        return k, k
+
+    def one_head(keys, values, rows):  # every kv head gets head 0's rows
+        k, v = kv_compact.reference(keys[:, :1], values[:, :1], rows)
+        return mx.broadcast_to(k, (*keys.shape[:2], *k.shape[2:])), v
+
+    for wrong, label in ((next_row, "keys"), (keys_twice, "values"), (one_head, "keys")):
+        passed, reason = selftest.check_kv_compact(wrong)
+        assert not passed and reason.startswith(f"{label} differ from the reference"), reason
+
+
 def test_without_metal_the_self_test_reports_nothing_judged() -> None:
     if mx.metal.is_available():
         return
     assert selftest.run() == []
+
+
+def test_kv_compact_timing_runs_every_width() -> None:
+    """The timing half of the verdict, on the reference (the kernel's series needs Metal)."""
+    t = selftest.time_kv_compact({"reference": kv_compact.reference})
+    assert list(t) == ["reference"] and sorted(t["reference"]) == list(selftest.WIDTHS)
+    assert all(ms > 0 for ms in t["reference"].values())
