@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Callable
@@ -161,7 +162,7 @@ def entry_to_costs(entry: object) -> CostModel:
 
 def costs_to_entry(costs: CostModel) -> dict:
     return {"format": CALIBRATION_FORMAT, "measured_at": int(time.time()),
-            "verify_s": {str(w): s for w, s in sorted(costs.verify_s.items())},
+            "verify_s": {str(w): s for w, s in sorted(costs.table().items())},
             "draft_s": dict(costs.draft_s), "overlap_s": costs.overlap_s}
 
 
@@ -194,12 +195,16 @@ def _read_table(path: Path) -> dict[str, dict]:
             if isinstance(v, dict) and v.get("format") == CALIBRATION_FORMAT}
 
 
-def save_costs(key: str, costs: CostModel) -> None:
-    """Write `costs` under `key`, keeping the file's other entries (atomic replace)."""
-    path = cache_dir() / CALIBRATION_FILE
+def save_costs(key: str, costs: CostModel, path: Path | None = None) -> None:
+    """Write `costs` under `key`, keeping the file's other entries (atomic replace).
+
+    `path` defaults to the app-data cache's table; a session passes the one it loaded
+    from, so corrections go back where the stale entry came from.
+    """
+    path = path or cache_dir() / CALIBRATION_FILE
     table = _read_table(path)
     table[key] = costs_to_entry(costs)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two apps may save at once
     tmp.write_text(json.dumps(table, indent=1), encoding="utf-8")
     tmp.replace(path)
 

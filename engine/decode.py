@@ -10,29 +10,41 @@ keeps `Stats`. Every event is built in exactly one place: here.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import mlx.core as mx
 
 from engine.cache import cache_length, make_caches, trim_caches
-from engine.calibration import calibration_key, load_or_measure_costs, measure_costs
+from engine.calibration import (
+    CALIBRATION_FILE,
+    calibration_key,
+    load_or_measure_costs,
+    measure_costs,
+    save_costs,
+)
 from engine.choices import ACCEPT_RULES, DRAFTERS, TREE_MODES
 from engine.drafters.base import Drafter
-from engine.drafters.head import HeadDrafter, HeadModel
+from engine.drafters.head import HeadDrafter, HeadModel, default_layers
 from engine.drafters.layerskip import LayerSkipDrafter
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.errors import EngineError, HeadError, IncompatibleDraftError, PromptError
 from engine.events import Finished, PromptProgress, Stats, Step, Token
 from engine.loading import LoadedModel
+from engine.paths import cache_dir
 from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.stopping import StopMatcher
+from engine.training.online import OnlineBuffer, OnlineRecorder
 from engine.tuning import AcceptanceEstimate, CostModel, DraftPolicy, PolicyMemory
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -76,8 +88,9 @@ class ChatSession:
     """
 
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
-                 head: HeadModel | None = None) -> None:
-        """`head`: a trained drafter head for this target (engine/drafters/head_io.py)."""
+                 head: HeadModel | None = None, online: OnlineBuffer | None = None) -> None:
+        """`head`: a trained drafter head for this target (engine/drafters/head_io.py).
+        `online`: a buffer that records every reply's committed positions (`set_online`)."""
         self.target = target
         self.draft = draft
         if draft is not None:
@@ -97,7 +110,30 @@ class ChatSession:
         if head is not None:
             self._drafters["head"] = HeadDrafter(head, target.model, self.caches_tgt)
         self._costs: CostModel | None = None
+        # where the costs came from, and how many live corrections that file has seen
+        self._calibration: tuple[str, Path, int] | None = None
         self._policy_memory: dict[str, PolicyMemory] = {}  # per drafter mode, across replies
+        self._recorder: OnlineRecorder | None = None
+        self.set_online(online)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers a head reads (this session's head's, else EAGLE-3's default)."""
+        if self.head is not None:
+            return tuple(self.head.config.aux_layers)
+        return default_layers(self.target.model.n_layers)
+
+    def set_online(self, buffer: OnlineBuffer | None) -> None:
+        """Record each reply's committed positions (features and the target's top-k) into
+        `buffer` from the next pass on; None stops recording (engine/training/online.py)."""
+        if self._recorder is not None and self._recorder.buffer is buffer:
+            return
+        if self._recorder is not None:
+            self._recorder.detach()
+            self._recorder = None
+        if buffer is not None:
+            self._recorder = OnlineRecorder(buffer, self.target.model, self.caches_tgt,
+                                            self.feature_layers)
 
     @property
     def costs(self) -> CostModel | None:
@@ -127,6 +163,8 @@ class ChatSession:
         self.cached_ids_tgt = []
         for d in self._drafters.values():
             d.reset()
+        if self._recorder is not None:
+            self._recorder.tap.clear()
 
     def encode(self, messages: Sequence[dict]) -> list[int]:
         if not messages:
@@ -189,10 +227,26 @@ class ChatSession:
                               self.draft.path if self.draft else None, n_skip)
         costs = load_or_measure_costs(
             key, lambda: measure_costs(self.target.model, draft_model, n_skip))
+        self._calibration = (key, cache_dir() / CALIBRATION_FILE, len(costs.corrections))
         head = self._drafters.get("head")
         if isinstance(head, HeadDrafter) and "head" not in costs.draft_s:
             costs.draft_s["head"] = head.step_seconds()
         return costs
+
+    def _save_corrections(self) -> None:
+        """Write the cost table back once live passes have corrected it, so the next run
+        starts from what this machine does now rather than probing its way there again.
+        Never fails a reply: an unwritable cache only costs that head start."""
+        if self._calibration is None or self._costs is None:
+            return
+        key, path, saved = self._calibration
+        if len(self._costs.corrections) <= saved:
+            return
+        try:
+            save_costs(key, self._costs, path)
+        except OSError as e:
+            log.warning("%s: cannot save corrected pass costs (%s)", path, e)
+        self._calibration = (key, path, len(self._costs.corrections))
 
     def generate_ids(
         self,
@@ -338,4 +392,10 @@ class ChatSession:
             n_cached = min(cache_length(self.caches_tgt), len(committed))
             trim_caches(self.caches_tgt, n_cached)
             self.cached_ids_tgt = committed[:n_cached]
+            self._save_corrections()
+            if self._recorder is not None:
+                try:
+                    self._recorder.harvest(committed, n_prompt, "".join(text_parts))
+                except Exception as e:  # noqa: BLE001 - recording must never break a chat
+                    log.warning("online training buffer: reply not recorded (%s)", e)
         yield Finished(stats, "".join(text_parts), tuple(generated))

@@ -107,6 +107,6 @@ def commit_path(model, caches: Sequence[KVCache], start: int, path: Sequence[int
     compact_caches(caches, start, keep)
     taps = getattr(model, "feature_taps", None)
     if taps and caches:
-        tap: FeatureTap | None = taps.find(caches[0])
-        if tap is not None:
+        tap: FeatureTap
+        for tap in taps.find_all(caches[0]):
             tap.compact(start, keep)

@@ -40,7 +40,7 @@ class CostModel:
     busy hour) and is corrected by every timed pass. A width timed in this process is
     *tested*; an untested entry is never trusted above a tested wider one (a wider pass
     does not cost less), so one live pass of a wide width caps every stale entry below
-    it, and one far below the table rescales the untested entries above it. When
+    it, and one far below the table rescales the other untested entries. When
     width-1 timings, which plain steps take all the time, drift (smoothed) from where the
     table was anchored by more than DRIFT_FRACTION, the whole curve is rescaled by that
     ratio and every other width counts as untested again (and gets probed: `DraftPolicy`).
@@ -68,7 +68,10 @@ class CostModel:
 
         The first live timing of a width replaces a table entry it undercuts by more
         than DRIFT_FRACTION (that entry was timed some other time), and rescales the
-        untested wider entries by the same ratio; other timings are smoothed.
+        other untested entries wider than one token by the same ratio; other timings
+        are smoothed. Narrower ones too: capping them at the live timing alone would
+        price a 2-token pass like the probed 7-token one, so short drafts would stay
+        shut out until each width happened to be tried.
         """
         old = self.verify_s.get(width)
         if width not in self._tested:
@@ -78,9 +81,9 @@ class CostModel:
             # brings (and on a shared machine a single slow timing is often just load)
             if seconds * (1 + DRIFT_FRACTION) < old:
                 self.corrections.append((width, old, seconds))
-                if width > 1:  # untested wider entries are likely off the same way
+                if width > 1:  # untested multi-token entries are likely off the same way
                     for w in self.verify_s:
-                        if w > width and w not in self._tested:
+                        if w > 1 and w != width and w not in self._tested:
                             self.verify_s[w] *= seconds / old
                 old = seconds
         self.verify_s[width] = old + COST_EMA * (seconds - old)
@@ -125,6 +128,11 @@ class CostModel:
         if 0 <= width < len(self._curve):
             return self._curve[width]
         return _interpolate(self._points(), width)
+
+    def table(self) -> dict[int, float]:
+        """The table as the policy prices it (caps applied): what a calibration file
+        should say after live passes corrected it."""
+        return dict(self._points())
 
     def _points(self) -> list[tuple[int, float]]:
         """The (width, seconds) table, untested entries capped by the cheapest tested

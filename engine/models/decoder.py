@@ -16,7 +16,7 @@ import mlx.nn as nn
 
 from engine.cache import KVCache
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.models.taps import Capture, FeatureTaps
+from engine.models.taps import Capture, FeatureTap, FeatureTaps
 from kernels import dispatch
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -315,15 +315,16 @@ class Model(nn.Module):
         records them there too (the verify pass's side output; no tap, no extra work).
         A draft tree's pass gives `mask` (ancestors only) and `positions` (engine/tree.py).
         """
-        tap = None
+        taps: list[FeatureTap] = []
         if capture is None and n_layers is None and cache and self.feature_taps:
-            tap = self.feature_taps.find(cache[0])
-            if tap is not None:
-                capture, start = dict.fromkeys(tap.layers), cache[0].offset
+            taps = self.feature_taps.find_all(cache[0])
+            if taps:
+                capture = dict.fromkeys(sorted({i for t in taps for i in t.layers}))
+                start = cache[0].offset
         h = self.model(inputs, mask, cache, n_layers, capture, positions)
-        if tap is not None:
+        head = self.lm_head if "lm_head" in self else self.model.embed_tokens.as_linear
+        logits = head(h)
+        for tap in taps:
             assert capture is not None
-            tap.record(start, capture)
-        if "lm_head" in self:
-            return self.lm_head(h)
-        return self.model.embed_tokens.as_linear(h)
+            tap.record(start, capture, logits)
+        return logits

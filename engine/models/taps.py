@@ -5,7 +5,8 @@ the committed positions. Those states are computed anyway by every target pass (
 plain steps, verification), so a tap records them as a side output of those passes instead
 of paying an extra pass. A tap watches one cache list (a session's target caches, told
 apart by its first cache object), so another session on the same weights (the bench's
-plain run, the app's race) never writes into it.
+plain run, the app's race) never writes into it. Several taps may watch one cache list
+(the head drafter's, and the online training buffer's in engine/training/online.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ class FeatureTap:
     past a rollback (rejected drafts, an edited conversation) are replaced by the next pass.
     """
 
+    starts_anywhere = False  # whether a first pass may start past position 0 (see `keep`)
+
     def __init__(self, layers: Sequence[int], owner: object) -> None:
         self.layers = tuple(int(i) for i in layers)
         self.owner = owner
@@ -40,18 +43,26 @@ class FeatureTap:
         start, rows = self._chunks[-1]
         return start + rows.shape[0]
 
-    def record(self, start: int, capture: Capture) -> None:
-        """Keep a pass's captured states (batch row 0) for positions start, start+1, ..."""
+    def record(self, start: int, capture: Capture, logits: mx.array | None = None) -> None:
+        """Keep a pass's captured states (batch row 0) for positions start, start+1, ...
+        (`logits`, the pass's output, is for taps that keep more than features)."""
+        self.keep(start, self.features(capture))
+
+    def features(self, capture: Capture) -> mx.array:
+        """The tapped layers' states of batch row 0, concatenated: (L, F)."""
         parts = [capture[i] for i in self.layers]
         if any(p is None for p in parts):
             raise ValueError(f"capture is missing layers {self.layers}")
-        rows = mx.concatenate([p[0] for p in parts if p is not None], axis=-1)  # (L, F)
+        return mx.concatenate([p[0] for p in parts if p is not None], axis=-1)  # (L, F)
+
+    def keep(self, start: int, rows: mx.array) -> None:
+        """Store `rows` for positions start, start+1, ... (replacing any from `start` on)."""
         self.truncate(start)
         if self.length != start:
             # a gap: positions before `start` were never recorded (cannot happen through a
             # session, whose passes are contiguous); start over rather than misalign
             self._chunks = []
-            if start:
+            if start and not self.starts_anywhere:
                 return
         self._chunks.append((start, rows))
         if len(self._chunks) > CONSOLIDATE_AT:
@@ -123,8 +134,10 @@ class FeatureTaps:
         self._taps = [weakref.ref(t) for t in self._live() if t is not tap]
 
     def find(self, cache: object) -> FeatureTap | None:
-        """The tap watching the cache list whose first cache is `cache`."""
-        for t in self._live():
-            if t.owner is cache:
-                return t
-        return None
+        """The first tap watching the cache list whose first cache is `cache`."""
+        found = self.find_all(cache)
+        return found[0] if found else None
+
+    def find_all(self, cache: object) -> list[FeatureTap]:
+        """Every tap watching the cache list whose first cache is `cache`."""
+        return [t for t in self._live() if t.owner is cache]

@@ -135,7 +135,7 @@ def history_items(conversations: Sequence[Sequence[dict[str, str]]]) -> list[Ite
 # ----------------------------------------------------------------------------- passes
 
 
-def _topk(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+def topk_probs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     """Top-k ids (…, k) and their probabilities under softmax(logits)."""
     logits = logits.astype(mx.float32)
     k = min(k, logits.shape[-1])
@@ -184,7 +184,7 @@ def generate_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[i
     n_new = [0] * B
 
     def keep(logits: mx.array, feats: mx.array, first: list[int]) -> mx.array:
-        top_ids, top_p = _topk(logits, top_k)
+        top_ids, top_p = topk_probs(logits, top_k)
         last = logits[:, -1].astype(mx.float32)
         mx.eval(top_ids, top_p, feats, last)
         f16, ti, tp = (np.array(feats.astype(mx.float16)), np.array(top_ids),
@@ -232,7 +232,7 @@ def read_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[int],
         caches = make_caches(model.n_layers)
         ids = mx.array([full[:-1]])
         logits, feats = _pass(model, ids, None, caches, layers)
-        top_ids, top_p = _topk(logits, top_k)
+        top_ids, top_p = topk_probs(logits, top_k)
         mx.eval(top_ids, top_p, feats)
         start = max(min(len(prompt), len(full) - 1) - 1, 0)
         out.append(_sample(it, np.array(full, dtype=np.int32),

@@ -20,6 +20,7 @@ from engine.calibration import (
     save_costs,
     weight_dtypes,
 )
+from engine.decode import ChatSession, GenerateOptions
 from engine.loading import load_model
 from engine.paths import cache_dir
 from engine.tuning import CostModel
@@ -170,3 +171,41 @@ def test_the_bench_says_how_live_passes_corrected_the_table() -> None:
     assert line == ("cost table corrected by live passes: width 16: 2.030 s -> 0.205 s, "
                     "width 1: 0.180 s -> 0.250 s")
     assert describe_corrections([(2, 1.0, 0.1)] * 8, shown=6).endswith("(+2 more)")
+
+
+def test_a_reply_writes_live_corrections_back_to_the_file(
+        data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stale entry corrected by a reply's cost probes is saved corrected, so the next run
+    starts where this one ended instead of probing its way out of the lock-out again."""
+    # a target slow enough next to its one-layer draft that the draft model pays
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "models", hidden_size=384,
+                                            num_hidden_layers=6, intermediate_size=1024)
+    target, draft = load_model(str(target_dir)), load_model(str(draft_dir))
+    key = calibration_key(target.path, target.model, draft.path, target.model.n_layers // 2)
+    fresh = measure_costs(target.model, draft.model, target.model.n_layers // 2,
+                          context=16, reps=2)
+    stale = CostModel({w: fresh.verify(w) * (100.0 if w >= 2 else 1.0)
+                       for w in fresh.verify_s}, dict(fresh.draft_s), fresh.overlap_s)
+    opts = GenerateOptions(max_tokens=24, drafter="model", tree="off")
+    messages = [{"role": "user", "content": "hello there"}]
+
+    save_costs(key, stale)
+    session = ChatSession(target, draft)
+    list(session.generate(messages, opts))
+    costs = session.costs
+    assert costs is not None
+    probed = [w for w, _, _ in costs.corrections if w >= 2]
+    assert probed, costs.corrections
+    saved = json.loads(calibration_file().read_text())[key]["verify_s"]
+    assert all(saved[str(w)] < stale.verify(w) / 10 for w in CALIBRATION_WIDTHS if w >= 2), saved
+    # the next session starts from the corrected table
+    reloaded = load_or_measure_costs(key, lambda: pytest.fail("measured again"))
+    assert reloaded.verify(max(probed)) < stale.verify(max(probed)) / 10
+
+    # negative control: without cost probes nothing corrects the wide widths, so the
+    # file keeps the stale prices (the lock-out that probes and this write-back undo)
+    save_costs(key, stale)
+    monkeypatch.setattr("engine.tuning.COST_PROBES", False)
+    list(ChatSession(target, draft).generate(messages, opts))
+    saved = json.loads(calibration_file().read_text())[key]["verify_s"]
+    assert all(saved[str(w)] > stale.verify(w) / 2 for w in CALIBRATION_WIDTHS if w >= 2), saved

@@ -324,6 +324,21 @@ def test_a_live_pass_between_calibrated_widths_corrects_the_curve_too() -> None:
     assert costs.tested(7) and not costs.tested(8)
 
 
+def test_a_wide_probe_rescales_the_untested_narrower_widths_too() -> None:
+    """The lag a stale table left behind: capped at the probe's width-7 timing, widths
+    2-6 were priced like width 7, so short drafts stayed shut out for a whole reply."""
+    costs = CostModel(dict(STALE))
+    costs.observe(1, TRUE[1])
+    costs.observe(7, true_cost(7))
+    for w in (2, 3, 4):
+        assert costs.verify(w) == pytest.approx(true_cost(w), rel=0.05), w
+    # negative control: a width already timed live keeps its timing
+    costs = CostModel(dict(STALE))
+    costs.observe(2, STALE[2] * 0.9)  # within DRIFT_FRACTION: smoothed, now tested
+    costs.observe(7, true_cost(7))
+    assert costs.verify(2) > 5 * TRUE[2]
+
+
 def test_a_first_timing_above_the_table_is_smoothed_not_taken_whole() -> None:
     """A slow first pass may be the machine's load: an optimistic entry is corrected by the
     passes the policy keeps making at it, so one timing does not replace it."""
