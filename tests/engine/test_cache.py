@@ -96,6 +96,17 @@ def test_compact_with_nothing_kept_trims_to_start() -> None:
     assert c.offset == 1
 
 
+@pytest.mark.parametrize(("start", "keep"), [(2, [0, 4]), (2, [-1, 1]), (-1, [0])])
+def test_compact_outside_the_written_rows_is_refused(start: int, keep: list[int]) -> None:
+    c = PreallocatedKVCache(chunk=8)
+    c.update_and_fetch(rows(0, 6), rows(100, 6))  # rows 0..5: after start 2, rows 0..3
+    with pytest.raises(ValueError, match="cache of 6 rows"):
+        c.compact(start, keep)
+    assert c.offset == 6  # nothing lost
+    c.compact(2, [0, 3])  # control: the last written row is allowed
+    assert c.offset == 4
+
+
 def test_helpers_act_on_every_layer() -> None:
     caches = make_caches(3, chunk=4)
     assert cache_length(caches) == 0 and cache_length([]) == 0

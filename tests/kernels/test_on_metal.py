@@ -1,7 +1,8 @@
 """Kernels against their references on the GPU: runs where Metal exists, skipped elsewhere.
 
 The same cases as the reference tests (the property settings through the engine, the demo
-model's logits, every matmul variant), with the dispatcher switched on. Tokens must match
+model's logits, every matmul variant, the KV compaction's random and largest trees), with
+the dispatcher switched on. Tokens must match
 exactly except where a row's two best perturbed scores tie within float rounding (the
 kernel sums the log-sum-exp in another order); probabilities to float tolerance.
 """
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from engine.sampling import SamplingParams, coupled_rows, gumbel_noise, log_probs
 from kernels import dispatch, selftest
 from tests.kernels.oracle import oracle
+from tests.kernels.test_kv_compact_reference import largest_tree_case, random_tree_case
 from tests.kernels.test_verify_sampler_reference import DEMO_SETTINGS, settings_strategy
 
 pytestmark = pytest.mark.skipif(not mx.metal.is_available(),
@@ -25,7 +27,8 @@ pytestmark = pytest.mark.skipif(not mx.metal.is_available(),
 
 @pytest.fixture(autouse=True)
 def kernels_on():
-    dispatch.configure(sampler_widths=range(1, 17), qmm_widths=range(2, 17))
+    dispatch.configure(sampler_widths=range(1, 17), qmm_widths=range(2, 17),
+                       kv_compact_widths=range(1, 17))
     yield
     dispatch.configure()
 
@@ -81,3 +84,19 @@ def test_selftest_sampler_cases_pass() -> None:
 def test_selftest_qmm_cases_pass() -> None:
     passed, reason = selftest.check_qmm()
     assert passed, reason
+
+
+def test_selftest_kv_compact_cases_pass() -> None:
+    passed, reason = selftest.check_kv_compact()
+    assert passed, reason
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_kernel_compaction_equals_the_old_gather(seed: int) -> None:
+    """The cache's compaction through the kernel, bit for bit the old MLX gather's buffer."""
+    random_tree_case(seed)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_kernel_compaction_of_the_largest_tree(dtype) -> None:
+    largest_tree_case(dtype)
