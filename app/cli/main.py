@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="interactive chat in the terminal")
     _add_model_args(chat)
     _add_sampling_args(chat)
+    chat.add_argument("--learn", action="store_true",
+                      help="keep each reply's features on disk (app-data dir, bounded) so "
+                      "`train-drafter --data history` learns from this chat (off by default)")
 
     imp = sub.add_parser("import-gguf", help="convert a llama GGUF into an HF-style folder")
     imp.add_argument("file", type=Path)
@@ -216,6 +219,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     options = _options(args)
     session = _session(args)
+    if not args.learn:
+        return _chat_loop(args, session, options)
+    from engine.training.online import open_buffer
+
+    buffer = open_buffer(session.target.path, session.feature_layers,
+                         on_problem=lambda line: print(f"warning: {line}", file=sys.stderr))
+    session.set_online(buffer)
+    try:
+        return _chat_loop(args, session, options)
+    finally:
+        buffer.close()  # the last reply's positions reach the disk before the process ends
+
+
+def _chat_loop(args: argparse.Namespace, session, options) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})

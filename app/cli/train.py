@@ -48,16 +48,20 @@ def run(args: argparse.Namespace) -> int:
     from engine.drafters.head_io import head_root
     from engine.loading import load_model
     from engine.training.fit import FitOptions
-    from engine.training.job import TrainOptions, resolve_items, train_drafter
+    from engine.training.job import TrainOptions, check_data, train_drafter
 
     target = load_model(args.model)
     conversations = _history() if args.data == "history" else ()
     options = TrainOptions(minutes=args.minutes, data=args.data, conversations=conversations,
                            hot_vocab=args.hot_vocab, max_steps=args.max_steps,
                            fit=replace(FitOptions(), seed=args.seed))
-    resolve_items(options)  # a bad data source is one error line before anything starts
+    # a bad data source is one error line before anything starts
+    n_items, n_online = check_data(target, options)
     print(f"training a drafter head for {target.name} for up to {args.minutes:g} min "
           f"(data: {args.data}); folder {head_root(target.path)}", file=sys.stderr)
+    if args.data == "history":
+        print(f"history: {n_online} positions recorded while chatting (online buffer), "
+              f"{n_items} stored replies to read", file=sys.stderr)
     cancel = threading.Event()
     last = None
     events = train_drafter(target, options, cancel)

@@ -7,6 +7,10 @@ end, each scored on held-out sequences). Every `next()` does one slice of work (
 of replies, one optimizer step) and yields a `TrainProgress`, so a front end can pause the
 job between slices (the app does while a reply is generated), stop it with `cancel`, or
 bound it with `minutes`. A stopped job resumes from its newest checkpoint and data.
+
+With `data="history"`, the replies the online buffer recorded while they were written
+(engine/training/online.py) are used as they are; only stored replies it lacks are read
+teacher-forced. The training record counts the positions from each source.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,6 +50,7 @@ from engine.training.data import (
     save_shard,
 )
 from engine.training.fit import FitOptions, Trainer, evaluate
+from engine.training.online import OnlineBuffer, online_dir, reply_id
 
 OPTIMIZER_FILE = "optimizer.safetensors"
 TRAINER_FILE = "trainer.json"
@@ -66,6 +71,7 @@ class TrainOptions:
     hot_vocab: int = 8192
     checkpoint_every: int = 100  # steps
     max_steps: int | None = None
+    steps: int | None = None  # at most this many optimizer steps in this run (a fine-tune)
     fit: FitOptions = field(default_factory=FitOptions)
 
 
@@ -85,12 +91,20 @@ class TrainProgress:
     checkpoint: str | None = None
 
 
-def resolve_items(options: TrainOptions) -> list[Item]:
-    """The data source's items, each round with its own id (and seed)."""
+def resolve_items(options: TrainOptions, recorded: Collection[str] = ()) -> list[Item]:
+    """The data source's items, each round with its own id (and seed). For history,
+    `recorded` holds the ids (`reply_id`) of replies the online buffer already has: those
+    are left out, and an empty history is fine when the buffer has any."""
     if options.data == "builtin":
         base = builtin_items()
     elif options.data == "history":
-        base = history_items(options.conversations)
+        try:
+            base = history_items(options.conversations)
+        except EngineError:
+            if not recorded:
+                raise
+            base = []
+        base = [it for it in base if reply_id(it.messages[-1]["content"]) not in recorded]
     else:
         base = read_items(Path(options.data))
     rounds = 1 if options.data == "history" else max(options.rounds, 1)
@@ -134,11 +148,48 @@ def _load_data(data_dir: Path) -> list[Sample]:
     return samples
 
 
+def online_samples(root: Path, layers: Sequence[int]) -> tuple[list[Sample], int]:
+    """The online buffer's recorded replies for these feature layers, and its newest
+    segment number (0 when there is none)."""
+    folder = online_dir(root, layers)
+    if not folder.is_dir():
+        return [], 0
+    buffer = OnlineBuffer(folder)
+    return buffer.samples(), buffer.last_seq
+
+
+def check_data(target, options: TrainOptions, root: Path | None = None) -> tuple[int, int]:
+    """(items to read or reply to, positions the online buffer holds for them), or the
+    data source's one clear error, before a job starts."""
+    root = root or head_root(target.path)
+    online: list[Sample] = []
+    if options.data == "history":
+        ckpt = current_checkpoint(root)
+        layers = (load_head(ckpt, target.model).config.aux_layers if ckpt is not None
+                  else default_layers(target.model.n_layers))
+        online = online_samples(root, layers)[0]
+    items = resolve_items(options, {s.id for s in online})
+    return len(items), sum(s.n_reply for s in online)
+
+
+def source_positions(samples: Sequence[Sample]) -> dict[str, int]:
+    """Reply positions by where they came from: the online buffer, stored chats read
+    teacher-forced, or generated replies to prompts."""
+    out = {"online_positions": 0, "history_positions": 0, "generated_positions": 0}
+    for s in samples:
+        key = ("online_positions" if s.id.startswith("online:") else
+               "history_positions" if s.id.startswith("history:") else "generated_positions")
+        out[key] += s.n_reply
+    return out
+
+
 def _record(target, options: TrainOptions, trainer: Trainer, data_tokens: int,
-            n_seq: int, top1: list[float], history: list[dict[str, Any]]) -> dict[str, Any]:
+            n_seq: int, top1: list[float], history: list[dict[str, Any]],
+            sources: dict[str, int], online_seq: int) -> dict[str, Any]:
     return {
         "target": target.name, "target_key": weights_key(target.path),
         "data": options.data, "data_sequences": n_seq, "data_tokens": data_tokens,
+        "sources": sources, "online_seq": online_seq,
         "steps": trainer.step, "tokens_seen": trainer.tokens_seen,
         "heldout_top1": top1, "history": history,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -198,10 +249,15 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
     ckpt = current_checkpoint(root)
     head = load_head(ckpt, model) if ckpt is not None else None
     layers = head.config.aux_layers if head else default_layers(model.n_layers)
-    items = resolve_items(options)
+    online, online_seq = [], 0
+    if options.data == "history":
+        # replies recorded while they were written need no teacher-forced pass
+        online, online_seq = online_samples(root, layers)
+    items = resolve_items(options, {s.id for s in online})
     samples = _load_data(data_dir)
     done = {s.id for s in samples}
     pending = [it for it in items if it.id not in done]
+    samples.extend(online)
     n_shard = len(list(data_dir.glob("shard-*[0-9]")))
 
     def data_stats() -> tuple[int, int]:
@@ -262,7 +318,7 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
         name = f"ckpt-{trainer.step:07d}"
         staged = root / f".{name}.tmp"
         write_head(head, staged, _record(target, options, trainer, n_tok, n_seq, top1,
-                                         history))
+                                         history, source_positions(samples), online_seq))
         mx.save_safetensors(str(staged / OPTIMIZER_FILE), trainer.optimizer_state())
         (staged / TRAINER_FILE).write_text(json.dumps(
             {"step": trainer.step, "tokens_seen": trainer.tokens_seen,
@@ -273,7 +329,9 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
     # ---- train
     start_step = trainer.step
     loss = None
-    while not stopped() and (options.max_steps is None or trainer.step < options.max_steps):
+    while (not stopped()
+           and (options.max_steps is None or trainer.step < options.max_steps)
+           and (options.steps is None or trainer.step - start_step < options.steps)):
         loss = trainer.train_step()
         phase = "train"
         where = None

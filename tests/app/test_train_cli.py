@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,28 @@ def test_bad_data_file_is_one_line(tiny4: Path, tmp_path: Path) -> None:
     proc = cli("train-drafter", "--model", str(tiny4), "--data", str(bad), "--minutes", "1",
                data_dir=tmp_path / "data")
     assert_one_line_error(proc, "bad.jsonl:1: not valid JSON")
+
+
+def test_chat_learn_records_and_history_trains_from_it(tiny4: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    data = tmp_path / "data"
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(data))
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\n\n"))
+    assert main(["chat", "--model", str(tiny4), "--max-tokens", "12"]) == 0
+    assert not list(data.glob("heads/*/online"))  # off unless asked
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hello there\nTell me more\n\n"))
+    assert main(["chat", "--model", str(tiny4), "--max-tokens", "12", "--learn"]) == 0
+    assert len(list(data.glob("heads/*/online/layers-*/seg-*"))) == 2
+    capsys.readouterr()
+    # the app's history is empty: the buffer alone is the data
+    assert main(["train-drafter", "--model", str(tiny4), "--data", "history", "--minutes",
+                 "5", "--max-steps", "2"]) == 0
+    err = capsys.readouterr().err
+    found = re.search(r"history: (\d+) positions recorded while chatting \(online buffer\), "
+                      r"0 stored replies to read", err)
+    assert found and int(found.group(1)) > 0, err
+    record = json.loads(next(data.glob("heads/*/ckpt-*/training.json")).read_text())
+    assert record["sources"]["online_positions"] == int(found.group(1))
+    assert record["sources"]["history_positions"] == 0
