@@ -115,6 +115,8 @@ def step_to_json(step: Step) -> str:
             "vs": step.verify_s,
             "k": step.k,
             "dr": step.drafter,
+            # why the step fell back to a plain step (kept so a reopened chat marks it)
+            **({"e": step.error} if step.error else {}),
         },
         ensure_ascii=False,
     )
@@ -125,7 +127,7 @@ def step_from_json(data: str) -> Step:
     tokens = tuple(Token(int(t[0]), str(t[1]), TokenKind(t[2]), t[3],
                          str(t[4]) if len(t) > 4 else "") for t in d["t"])
     return Step(tokens, d.get("d", 0), d.get("a", 0), d.get("ds", 0.0), d.get("vs", 0.0),
-                d.get("k", 0), d.get("dr", "none"))
+                d.get("k", 0), d.get("dr", "none"), str(d.get("e", "")))
 
 
 def stats_to_dict(stats: Stats) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from app.ui.controller import ChatController
 from app.ui.gauge import GaugeWidget
 from app.ui.settings_panel import SettingsPanel
 from app.ui.sidebar import Sidebar
+from app.ui.step_warnings import StepWarnings
 from app.ui.token_render import conversation_markdown
 from app.ui.worker import ChatSettings, ModelInfo
 from engine.events import Stats, Step
@@ -178,6 +179,8 @@ class MainWindow(QMainWindow):
         self.load_progress.hide()
         self.statusBar().addWidget(self.model_label, 1)
         self.statusBar().addPermanentWidget(self.load_progress)
+        self.step_warnings = StepWarnings(controller)  # steps that fell back: once, not a dialog
+        self.statusBar().addPermanentWidget(self.step_warnings, 1)
 
         self._build_menus()
         self._build_server_menu()

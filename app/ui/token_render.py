@@ -3,8 +3,13 @@
 Two renderings of the same reply:
 
 * speculation shown: one `<span>` per token, styled by its `TokenKind` (accepted green,
-  replaced amber, bonus blue, rejected drafts as struck-through red ghosts right before the
-  token that replaced them), each with a tooltip naming its kind and the target's probability;
+  replaced amber, bonus blue, rejected drafts as struck-through red ghosts where the engine
+  placed them: right after the committed token their branch hangs from), each with a
+  tooltip naming its kind, the target's probability and a ghost's branch; a thin bar parts
+  two neighbouring ghosts of different branches. A step that fell back to a plain step
+  (`Step.error`) is underlined in amber with the reason in its tooltip; the first step of a
+  reply with each reason also gets a warning marker (a drafter that keeps failing would
+  otherwise litter the reply with them);
 * clean: the committed text as Markdown (markdown-it-py, CommonMark + tables), code blocks
   highlighted by pygments with a copy link, as a coding assistant's reply is expected to look.
 
@@ -79,40 +84,83 @@ def kind_css(kind: TokenKind, dark: bool) -> str:
     return ";".join(parts)
 
 
-def token_tooltip(token: Token) -> str:
-    """What hovering a token says: its kind, what that means, the target's probability."""
+WARNING_COLORS = ("#9a6700", "#f0b72f")  # light, dark: the fallback marker
+WARNING_MARK = "\N{WARNING SIGN}"
+
+
+def token_tooltip(token: Token, warning: str = "") -> str:
+    """What hovering a token says: its kind (and a ghost's draft-tree branch), what that
+    means, the target's probability, and why its step fell back (`warning`), if it did."""
     style = KIND_STYLES[token.kind]
     prob = "n/a" if token.prob is None else f"{token.prob:.1%}"
-    shown = token.text if token.text.strip() else repr(token.text)
-    branch = f"\nfrom the draft tree's {token.branch}" if token.branch else ""
-    return (f"{style.label}: {style.meaning}\ntoken {token.id} {shown!s}\n"
-            f"target probability {prob}{branch}")
+    shown = token.text if token.text.strip() and token.text.isprintable() else repr(token.text)
+    branch = f"\ndraft tree {token.branch}" if token.branch else ""
+    note = f"\n{WARNING_MARK} {warning}" if warning else ""
+    return (f"{style.label}: {style.meaning}{branch}\ntoken {token.id} {shown!s}\n"
+            f"target probability {prob}{note}")
+
+
+def step_warning_tooltip(error: str) -> str:
+    return ("A draft was refused: this step ran as a plain step (so did every step "
+            f"underlined like it):\n{error}")
 
 
 def _escape(text: str) -> str:
     return html.escape(text, quote=False)
 
 
-def token_span(token: Token, dark: bool = False) -> str:
+def shown_text(token: Token) -> str:
+    """The text a token shows: its own, except that a ghost must stay visible even when
+    its text is empty or only control characters (a newline, a stray byte)."""
+    if token.kind is TokenKind.REJECTED and not any(c.isprintable() for c in token.text):
+        return "\N{WHITE SQUARE}"
+    return token.text
+
+
+def token_span(token: Token, dark: bool = False, warning: str = "") -> str:
     """One token as a styled span with its tooltip."""
-    text = token.text
-    if token.kind is TokenKind.REJECTED and not text:
-        text = "\N{WHITE SQUARE}"  # a ghost must stay visible even if its text is empty
+    text = shown_text(token)
     if not text:
         return ""
     css = kind_css(token.kind, dark)
-    title = html.escape(token_tooltip(token), quote=True)
+    if warning:  # a fallback step is a plain step: no other decoration to clash with
+        underline = f"text-decoration:underline;text-decoration-color:{WARNING_COLORS[dark]}"
+        css = f"{css};{underline}" if css else underline
+    title = html.escape(token_tooltip(token, warning), quote=True)
     return f'<span style="{css}" title="{title}">{_escape(text)}</span>'
 
 
+def warning_span(error: str, dark: bool = False) -> str:
+    """The marker in front of a step that fell back to a plain step; hovering says why."""
+    title = html.escape(step_warning_tooltip(error), quote=True)
+    return (f'<span style="color:{WARNING_COLORS[dark]}; font-weight:bold" '
+            f'title="{title}">{WARNING_MARK}</span>')
+
+
+def ghost_separator(dark: bool = False) -> str:
+    """A thin muted bar between two neighbouring ghosts of different branches."""
+    return f'<span style="color:{"#6e7681" if dark else "#a0a7b0"}">\N{LIGHT VERTICAL BAR}</span>'
+
+
 def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool = False) -> str:
-    """A reply with every token styled by its fate (inner HTML for a pre-wrap block)."""
+    """A reply with every token styled by its fate, in the steps' display order (inner
+    HTML for a pre-wrap block); `show_rejected` off drops the ghosts."""
     out: list[str] = []
+    marked: set[str] = set()  # one marker per reason; later steps are only underlined
     for step in steps:
+        if step.error and step.error not in marked:
+            marked.add(step.error)
+            out.append(warning_span(step.error, dark))
+        previous: Token | None = None
         for token in step.tokens:
-            if token.kind is TokenKind.REJECTED and not show_rejected:
-                continue
-            out.append(token_span(token, dark))
+            if token.kind is TokenKind.REJECTED:
+                if not show_rejected:
+                    continue
+                if (previous is not None and previous.kind is TokenKind.REJECTED
+                        and previous.branch != token.branch):
+                    out.append(ghost_separator(dark))
+            out.append(token_span(token, dark, step.error))
+            previous = token
     return "".join(out)
 
 
