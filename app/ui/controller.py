@@ -68,6 +68,7 @@ class ChatController(QObject):
     plain_prompt_progressed = Signal(int, int)  # done, total of the plain run
     plain_step_received = Signal(object, object)  # Step, Stats of the plain run
     comparison_finished = Signal(object)  # ComparisonResult
+    status_message = Signal(str)  # a passing note for the status bar (background work)
 
     def __init__(self, store: Store, host: EngineHost, settings: ChatSettings | None = None,
                  parent: QObject | None = None) -> None:
@@ -91,6 +92,9 @@ class ChatController(QObject):
         w.step_generated.connect(self._on_step_generated)
         w.generation_finished.connect(self._on_generation_finished)
         w.generation_failed.connect(self._on_generation_failed)
+        w.finetune_started.connect(self._on_finetune_started)
+        w.finetune_ended.connect(self._on_finetune_ended)
+        w.online_warned.connect(self.status_message)
 
     # -- state ---------------------------------------------------------------------------
     @property
@@ -330,6 +334,19 @@ class ChatController(QObject):
     def _idle_if_done(self) -> None:
         if not self.generating:
             self.generating_changed.emit(False)
+
+    # -- learning from the user's chats (opt-in) -------------------------------------------
+    def _on_finetune_started(self) -> None:
+        self.status_message.emit("Improving the drafter from your chats…")
+
+    def _on_finetune_ended(self, last, error: str) -> None:
+        if error:
+            self.status_message.emit(f"Could not improve the drafter from your chats: {error}")
+        elif last is not None and last.checkpoint:
+            top1 = (f", held-out top-1 {last.heldout_top1:.0%}"
+                    if last.heldout_top1 is not None else "")
+            self.status_message.emit(f"Drafter improved from your chats ({last.step} steps"
+                                     f"{top1})")
 
     # -- model state ---------------------------------------------------------------------
     def _on_model_loading(self, spec: str) -> None:

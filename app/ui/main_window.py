@@ -199,6 +199,7 @@ class MainWindow(QMainWindow):
                        self.sidebar.new_button):
             button.clicked.connect(self.focus_composer)
         controller.error_raised.connect(self.banner.show_message)
+        controller.status_message.connect(lambda text: self.statusBar().showMessage(text, 15000))
         controller.model_loading.connect(self._on_model_loading)
         controller.model_loaded.connect(self._on_model_loaded)
         controller.model_load_progressed.connect(self._on_model_load_progressed)

@@ -97,6 +97,15 @@ class SettingsPanel(QWidget):
         self.max_tokens.setRange(1, 131072)
         self.seed = QSpinBox()
         self.seed.setRange(0, 2**31 - 1)
+        # the row is "My chats": short labels keep the panel narrow
+        self.learn_check = QCheckBox("Record for training")
+        self.learn_check.setToolTip(
+            "Record my chats for drafter training: keep each reply's model features on disk (in the app-data folder, bounded, "
+            "oldest dropped) so Train a Drafter learns from your own chats. Off by default.")
+        self.improve_check = QCheckBox("Improve the drafter")
+        self.improve_check.setToolTip(
+            "Improve the drafter from my chats. Records them too; once enough new replies are recorded and a drafter head "
+            "exists for this model, fine-tune it briefly between replies.")
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setPlaceholderText("Optional instructions for every reply")
         self.system_prompt.setFixedHeight(80)
@@ -131,6 +140,8 @@ class SettingsPanel(QWidget):
         form.addRow("Min-p", self.min_p)
         form.addRow("Max tokens", self.max_tokens)
         form.addRow("Seed", self.seed)
+        form.addRow("My chats", self.learn_check)
+        form.addRow("", self.improve_check)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(8, 8, 8, 8)
         title = QLabel("Settings")
@@ -148,6 +159,7 @@ class SettingsPanel(QWidget):
                        self.k_auto.toggled, self.k_spin.valueChanged, self.temperature.valueChanged,
                        self.top_p.valueChanged, self.top_k.valueChanged, self.min_p.valueChanged,
                        self.max_tokens.valueChanged, self.seed.valueChanged,
+                       self.learn_check.toggled, self.improve_check.toggled,
                        self.system_prompt.textChanged):
             signal.connect(self._on_edited)
         controller.settings_changed.connect(self._on_settings_changed)
@@ -174,6 +186,8 @@ class SettingsPanel(QWidget):
             max_tokens=self.max_tokens.value(),
             seed=self.seed.value(),
             system_prompt=self.system_prompt.toPlainText(),
+            learn_from_chats=self.learn_check.isChecked(),
+            improve_drafter=self.improve_check.isChecked(),
         )
 
     def set_settings(self, s: ChatSettings) -> None:
@@ -194,6 +208,8 @@ class SettingsPanel(QWidget):
             self.min_p.setValue(s.min_p)
             self.max_tokens.setValue(s.max_tokens)
             self.seed.setValue(s.seed)
+            self.learn_check.setChecked(s.learn_from_chats)
+            self.improve_check.setChecked(s.improve_drafter)
             if self.system_prompt.toPlainText() != s.system_prompt:
                 self.system_prompt.setPlainText(s.system_prompt)
             self._sync_enabled()

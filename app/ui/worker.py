@@ -32,6 +32,9 @@ ENGINE_STOP_MS = 10_000
 # A race's turn: long enough that a turn's fixed cost (building the first pass with the
 # machine idle, waiting for the last) stays a small share, short enough to look live.
 RACE_TURN_S = 0.5
+# "Improve the drafter from my chats": a short fine-tune once the chats have added this
+# many recorded positions since the head last trained (a few dozen replies)
+FINETUNE_AFTER = 2000
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,14 @@ class ChatSettings:
     max_tokens: int = 512
     seed: int = 0
     system_prompt: str = ""
+    # opt-in (they keep features of the user's chats on disk): record replies for drafter
+    # training, and fine-tune the head from them in the background (records as well)
+    learn_from_chats: bool = False
+    improve_drafter: bool = False
+
+    @property
+    def records_chats(self) -> bool:
+        return self.learn_from_chats or self.improve_drafter
 
     @property
     def engine_drafter(self) -> str:
@@ -115,6 +126,9 @@ class EngineWorker(QObject):
     generation_failed = Signal(int, str)  # request id, message
     training_progressed = Signal(object)  # engine.training.job.TrainProgress
     training_ended = Signal(object, str)  # the last TrainProgress (or None), error message
+    finetune_started = Signal()  # a background fine-tune from the user's chats began
+    finetune_ended = Signal(object, str)  # its last TrainProgress (or None), error message
+    online_warned = Signal(str)  # a problem with the online training buffer (one line)
 
     def __init__(self) -> None:
         super().__init__()
@@ -124,7 +138,10 @@ class EngineWorker(QObject):
         self._sessions: dict[str | None, Any] = {}  # draft spec -> ChatSession on the target
         self._head: tuple[str, Any] | None = None  # (target spec, its trained head or None)
         self._training: Any = None  # the train_drafter generator while a job runs
+        self._background = False  # whether that job is a fine-tune the app started itself
         self._last_progress: Any = None
+        self._online: tuple[tuple[str, tuple[int, ...]], Any] | None = None  # key, buffer
+        self.finetune_after = FINETUNE_AFTER  # recorded positions between fine-tunes
 
     # -- loading -------------------------------------------------------------------------
     @Slot(str)
@@ -142,6 +159,7 @@ class EngineWorker(QObject):
         self._target = self._target_spec = None
         self._sessions.clear()
         self._head = None
+        self._close_online()
         loaded = self._load(spec)
         self._target, self._target_spec = loaded, spec
         self.model_loaded.emit(_model_info(spec, loaded))
@@ -195,6 +213,58 @@ class EngineWorker(QObject):
             self._head = (str(self._target_spec), found[0] if found else None)
         return self._head[1]
 
+    # -- recording chats for drafter training (opt-in) -----------------------------------
+    def _chat_session(self, settings: ChatSettings, plain: bool):
+        """The session for a chat reply, recording it when the user opted in."""
+        session = self._session(settings, plain)
+        session.set_online(self._online_buffer(session) if settings.records_chats else None)
+        return session
+
+    def _online_buffer(self, session):
+        """The target's online buffer for the session's feature layers (opened once)."""
+        from engine.training.online import open_buffer
+
+        key = (str(self._target_spec), tuple(session.feature_layers))
+        if self._online is None or self._online[0] != key:
+            self._close_online()
+            self._online = (key, open_buffer(session.target.path, key[1],
+                                             on_problem=self.online_warned.emit))
+        return self._online[1]
+
+    def _close_online(self) -> None:
+        if self._online is not None:
+            self._online[1].close()  # what was recorded reaches the disk
+            self._online = None
+
+    def _maybe_finetune(self, settings: ChatSettings) -> None:
+        """After a reply: with "Improve the drafter from my chats" on, a head for this
+        target, and enough new recorded positions since it last trained, start a short
+        fine-tune from them (between replies, like the training window's job)."""
+        from engine.drafters.head_io import current_checkpoint, head_root, read_record
+        from engine.training.job import finetune_options, train_drafter
+        from engine.training.online import due_for_finetune
+
+        if not settings.improve_drafter or self._training is not None or self._online is None:
+            return
+        if self._trained_head() is None:
+            return
+        buffer = self._online[1]
+        ckpt = current_checkpoint(head_root(self._target.path))
+        record = read_record(ckpt) if ckpt is not None else None
+        if not due_for_finetune(buffer, record, self.finetune_after):
+            return
+        try:
+            buffer.flush()
+            self._training = train_drafter(self._target, finetune_options(),
+                                           threading.Event())
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a message
+            self.finetune_ended.emit(None, _describe(exc))
+            return
+        self._background = True
+        self._last_progress = None
+        self.finetune_started.emit()
+        QTimer.singleShot(0, self._train_slice)
+
     # -- training a drafter head ---------------------------------------------------------
     @Slot(str, float, object)
     def train_drafter(self, spec: str, minutes: float, cancel: threading.Event) -> None:
@@ -202,6 +272,9 @@ class EngineWorker(QObject):
         requested meanwhile runs between two slices (training pauses while it is written)."""
         from engine.training.job import TrainOptions, train_drafter
 
+        if self._training is not None and self._background:
+            self._training.close()  # the user's job replaces a background fine-tune
+            self._training, self._background = None, False
         if self._training is not None:
             return
         try:
@@ -226,14 +299,19 @@ class EngineWorker(QObject):
             self._end_training(_describe(exc))
             return
         self._last_progress = progress
-        self.training_progressed.emit(progress)
+        if not self._background:
+            self.training_progressed.emit(progress)
         QTimer.singleShot(0, self._train_slice)
 
     def _end_training(self, error: str) -> None:
-        self._training = None
+        background = self._background
+        self._training, self._background = None, False
         self._sessions.clear()  # the next reply's session picks up the new head
         self._head = None
-        self.training_ended.emit(self._last_progress, error)
+        if background:
+            self.finetune_ended.emit(self._last_progress, error)
+        else:
+            self.training_ended.emit(self._last_progress, error)
 
     # -- generation ----------------------------------------------------------------------
     @Slot(object)
@@ -244,7 +322,7 @@ class EngineWorker(QObject):
             self.generation_failed.emit(rid, "cancelled before it started")
             return
         try:
-            session = self._session(request.settings, request.plain)
+            session = self._chat_session(request.settings, request.plain)
             options = request.settings.to_options(plain=request.plain)
             self.generation_started.emit(rid)
             events = session.generate(list(request.messages), options, request.cancel)
@@ -264,6 +342,8 @@ class EngineWorker(QObject):
             self.generation_finished.emit(rid, finished)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a banner, not a crash
             self.generation_failed.emit(rid, _describe(exc))
+            return
+        self._maybe_finetune(request.settings)
 
     @Slot(object, object)
     def race(self, spec: GenerationRequest, plain: GenerationRequest) -> None:
@@ -284,7 +364,7 @@ class EngineWorker(QObject):
         try:
             # plain decoding gets caches of its own for the race, freed when it ends (the
             # chat's session may be this very object when no draft model is loaded)
-            sessions = {"spec": self._session(spec.settings, False),
+            sessions = {"spec": self._chat_session(spec.settings, False),
                         "plain": ChatSession(self._target)}
             for name, r in requests.items():
                 self.generation_started.emit(r.request_id)

@@ -91,6 +91,15 @@ class TrainProgress:
     checkpoint: str | None = None
 
 
+FINETUNE_STEPS = 24
+
+
+def finetune_options(steps: int = FINETUNE_STEPS) -> TrainOptions:
+    """A short fine-tune of the existing head from the user's recorded chats: a few
+    optimizer steps from its checkpoint, one new checkpoint at the end."""
+    return TrainOptions(minutes=5.0, data="history", steps=steps, checkpoint_every=steps)
+
+
 def resolve_items(options: TrainOptions, recorded: Collection[str] = ()) -> list[Item]:
     """The data source's items, each round with its own id (and seed). For history,
     `recorded` holds the ids (`reply_id`) of replies the online buffer already has: those

@@ -52,6 +52,13 @@ def online_dir(head_root: Path, layers: Sequence[int]) -> Path:
     return head_root / ONLINE_DIR / ("layers-" + "-".join(str(int(i)) for i in layers))
 
 
+def due_for_finetune(buffer: OnlineBuffer, record: dict | None, threshold: int) -> bool:
+    """Whether `buffer` has grown by `threshold` positions since the head whose training
+    record is `record` last trained (its `online_seq`: the newest segment it read)."""
+    seq = (record or {}).get("online_seq")
+    return buffer.positions_since(seq if isinstance(seq, int) else None) >= threshold
+
+
 def open_buffer(target_path: Path, layers: Sequence[int], **kwargs) -> OnlineBuffer:
     """The online buffer of the target at `target_path` for `layers`, in the app-data dir
     (keyed by the target's weights, beside its head's checkpoints)."""
