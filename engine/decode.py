@@ -278,6 +278,8 @@ class ChatSession:
         self.stats = stats
         t_start = time.perf_counter()
         reused = self._reuse_prefix(prompt_ids)
+        if self._recorder is not None:
+            self._recorder.begin(len(prompt_ids))
         todo = prompt_ids[reused:]
         logits = None
         waited = 0.0  # time the consumer held a progress event: not prompt time

@@ -72,7 +72,8 @@ class OnlineTap(FeatureTap):
 
     Each row is float32: F feature columns, then k ids, then k probabilities, so the
     chunk bookkeeping (rollback, tree compaction) of `FeatureTap` serves all three at once.
-    A pass may start anywhere (recording can be switched on mid-conversation).
+    A pass may start anywhere (recording can be switched on mid-conversation). Rows before
+    `keep_from` (a prompt's, but its last) are not kept: no top-k is computed for them.
     """
 
     starts_anywhere = True
@@ -80,16 +81,21 @@ class OnlineTap(FeatureTap):
     def __init__(self, layers: Sequence[int], owner: object, top_k: int = TOP_K) -> None:
         super().__init__(layers, owner)
         self.top_k = top_k
+        self.keep_from = 0
 
     def record(self, start: int, capture: Capture, logits: mx.array | None = None) -> None:
         if logits is None:
             raise ValueError("an online tap needs the pass's logits")
-        ids, p = topk_probs(logits[0], self.top_k)  # (L, k) each
-        rows = mx.concatenate([self.features(capture).astype(mx.float32),
+        skip = max(self.keep_from - start, 0)
+        if skip >= logits.shape[1]:
+            self.truncate(start)  # the pass still replaces any rows from `start` on
+            return
+        ids, p = topk_probs(logits[0, skip:], self.top_k)  # (L, k) each
+        rows = mx.concatenate([self.features(capture)[skip:].astype(mx.float32),
                                ids.astype(mx.float32), p], axis=-1)
         # computed with the pass: the logits (L, V) need not outlive it
         mx.async_eval(rows)
-        self.keep(start, rows)
+        self.keep(start + skip, rows)
 
     def sample(self, tokens: Sequence[int], start: int, end: int, sample_id: str) -> Sample:
         """Rows [start, end) as a training `Sample`; `tokens` are the committed ids from
@@ -284,6 +290,11 @@ class OnlineRecorder:
 
     def detach(self) -> None:
         self._model.feature_taps.remove(self.tap)
+
+    def begin(self, n_prompt: int) -> None:
+        """A reply to a prompt of `n_prompt` tokens starts: keep rows from its last token."""
+        self.tap.clear()
+        self.tap.keep_from = max(n_prompt - 1, 0)
 
     def harvest(self, committed: Sequence[int], n_prompt: int, text: str) -> int:
         """Hand the reply's committed positions to the buffer; returns how many.
