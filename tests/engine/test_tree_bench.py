@@ -31,7 +31,8 @@ def test_chain_mode_reports_trees_vs_chains(session: ChatSession) -> None:
         assert row["chain_tps"] > 0 and row["trees_vs_chains"] > 0
         assert row["trees_vs_chains"] == pytest.approx(row["spec_tps"] / row["chain_tps"])
         assert row["chain_tau"] >= 1.0
-    assert "trees/chains" in lines[0] and "chain" in lines[0]
+        assert row["tau_trees_vs_chains"] == pytest.approx(row["tau"] / row["chain_tau"])
+    assert "trees/chains" in lines[0] and "chain" in lines[0] and "(tau x" in lines[0]
     # without the chain mode the report has no chain figures (negative control)
     plain_spec = run_bench(session, PROMPTS[:1], ("plain", "spec"), options)
     assert "trees_vs_chains" not in plain_spec["overall"]
