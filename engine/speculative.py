@@ -190,7 +190,6 @@ def speculative_steps(
     the cost curve says the extra rows pay (`prune_tree`); "off" keeps every draft a chain.
     """
     pending = logits
-    tree_stats = TreeStats()
     tree_extra = EXTRA_NODES if tree == "auto" and accept == "coupled" else 0
     carried: Choice | None = None  # the choice a pending read was made for, kept past it
     while True:
@@ -223,6 +222,8 @@ def speculative_steps(
         costs = getattr(policy, "costs", None)  # a scripted policy in tests has none
         if draft.parents is not None and costs is not None:
             est = policy.estimates.get(choice.estimate or "")
+            # how often a runner-up wins belongs to the drafter, not one reply
+            tree_stats = policy.memory.tree_stats.setdefault(choice.drafter or "", TreeStats())
             pruned = prune_tree(draft.tree, est.alpha if est else 0.5, tree_stats.alt.alpha,
                                 costs, costs.draft_s.get(choice.drafter or "", 0.0))
             draft = Draft(pruned.ids, None, None if pruned.is_chain else pruned.parents)
@@ -252,7 +253,9 @@ def speculative_steps(
         context.extend([*accepted, verdict.token])
         assert drafter is not None
         drafter.commit(context)
-        tree_stats.observe(shape, verdict.path)
+        if not shape.is_chain:
+            policy.memory.tree_stats.setdefault(choice.drafter or "", TreeStats()).observe(
+                shape, verdict.path)
         ids, kinds, probs, branches = verified_step(shape, verdict)
         t_end = time.perf_counter()
         # the acceptance estimate sees the branch the walk took: a rejection unless it

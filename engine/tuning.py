@@ -13,6 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # tree_policy builds on this module
+    from engine.tree_policy import TreeStats
 
 K_MAX = 15
 PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
@@ -260,6 +264,8 @@ class PolicyMemory:
     idle: int = 0
     # the last cost probe: its step, and what its pass cost beyond a plain one once timed
     cost_probe: tuple[int, float] | None = None
+    # per drafter: how often a draft tree's runner-up won where its first child lost
+    tree_stats: dict[str, TreeStats] = field(default_factory=dict)
 
 
 class DraftPolicy:

@@ -31,7 +31,7 @@ from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps, step_kinds
 from engine.steps import prefill
 from engine.tree_policy import EXTRA_NODES
-from engine.tuning import Choice
+from engine.tuning import Choice, PolicyMemory
 from tests.fixtures.tiny_models import write_tiny_model, write_tiny_pair
 
 DRAFTERS = ("ngram", "model", "layerskip", "auto")
@@ -520,6 +520,7 @@ class ScriptedPolicy:
     def __init__(self, guess_right: bool) -> None:
         self.guess_right = guess_right
         self.calls = 0
+        self.memory = PolicyMemory()
 
     def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
         self.calls += 1

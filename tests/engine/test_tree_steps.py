@@ -24,7 +24,8 @@ from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.tree import ROOT
-from engine.tuning import Choice
+from engine.tree_policy import ALT_PRIOR
+from engine.tuning import Choice, PolicyMemory
 from tests.fixtures.tiny_models import write_tiny_model
 
 N_TOKENS = 40
@@ -40,6 +41,7 @@ class AlwaysDraft:
 
     def __init__(self, name: str = "ngram") -> None:
         self.name = name
+        self.memory = PolicyMemory()
 
     def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
         return Choice(self.name, K, None)
@@ -199,6 +201,23 @@ def test_the_walk_finds_plain_decodings_branch_wherever_it_hides(target: LoadedM
             # a ghost stands after the committed tokens above the depth it diverged at
             depth = int(label.rsplit("depth ", 1)[1])
             assert sum(k.committed for k in s.kinds[:i]) == depth - 1, (s.kinds, label)
+
+
+def test_what_trees_learn_about_runner_ups_outlives_the_reply(target: LoadedModel) -> None:
+    """The chance a runner-up wins is the drafter's, kept in the session's policy memory:
+    a second reply starts from what the first learned, not from the prior again."""
+    model, sampling = target.model, SamplingParams(temperature=0.0)
+    truth, _ = run_steps(model, sampling, n_tokens=N_TOKENS + K + 2)
+    policy = AlwaysDraft("oracle")
+    run_steps(model, sampling, {"oracle": OracleTrees(truth, seed=3)}, policy)
+    learned = policy.memory.tree_stats["oracle"]
+    after_first = (learned.trees, learned.alt.alpha)
+    assert after_first[0] > 0 and after_first[1] != pytest.approx(ALT_PRIOR)
+    run_steps(model, sampling, {"oracle": OracleTrees(truth, seed=3)}, policy)
+    assert policy.memory.tree_stats["oracle"] is learned
+    assert learned.trees == 2 * after_first[0]  # the second reply added to the same counts
+    # negative control: a fresh memory starts at the prior
+    assert AlwaysDraft("oracle").memory.tree_stats == {}
 
 
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
