@@ -393,6 +393,8 @@ class EngineWorker(QObject):
         finally:
             for events in streams.values():
                 events.close()  # trims the caches to what each reply committed
+        if "spec" in ended:
+            self._maybe_finetune(spec.settings)
 
     @Slot(bool)
     def run_doctor(self, recheck: bool) -> None:
@@ -413,6 +415,7 @@ class EngineWorker(QObject):
 
         try:
             session = self._session(settings, settings.drafter == "off")
+            session.set_online(None)  # "My chats" records the chat's replies, not API calls
         except Exception as exc:  # noqa: BLE001 - the client gets the message, not a crash
             job.emit(JobFailed(_describe(exc), 500))
             return

@@ -77,7 +77,9 @@ def test_background_finetune_after_a_reply_only_when_enabled(qtbot, make_gui, ta
     record = read_record(newest)
     assert record["data"] == "history" and record["sources"]["online_positions"] > 0
     assert record["online_seq"] >= 1
-    assert gui.window.statusBar().currentMessage().startswith("Drafter improved from your chats")
+    status = gui.window.statusBar()
+    qtbot.waitUntil(lambda: status.currentMessage().startswith(
+        "Drafter improved from your chats"), timeout=TIMEOUT)
 
     # the same chats do not trigger it again until the buffer grows
     gui.controller.set_settings(replace(gui.controller.settings, max_tokens=4))
