@@ -31,6 +31,7 @@ PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
 COST_PROBES = True  # verify untested widths now and then (off only for a negative control)
 PROBE_SHARE = 0.05  # cost probes may take about this share of decode time
 PROBE_DRAFT_PASSES = 2.0  # a cost probe drafts at most this many target passes' worth
+CONFIRM_TIMINGS = 2  # live timings of a width before probes take the table's word for it
 GUARD_MIN_STEPS = 2  # steps of a drafter before its realized speed can bench it
 GUARD_RETRY = 1024  # steps after which a benched drafter gets one more chance (a losing
 # probe of a drafter that costs half a target pass per token wastes a few steps)
@@ -62,6 +63,7 @@ class CostModel:
         # for the whole curve every step, and the step's host time competes with the pass
         self._curve: list[float] | None = None
         self._tested: set[int] = set()  # widths timed live since the table was anchored
+        self._timings: dict[int, int] = {}  # how many times, per width
         self._anchor = self.verify_s.get(1)  # the width-1 cost the table agrees with
         self._drift = 0.0  # smoothed log(width-1 timing / anchor)
         # what live timings changed, for the user: (width, table seconds, live seconds)
@@ -70,15 +72,16 @@ class CostModel:
     def observe(self, width: int, seconds: float) -> None:
         """Fold a measured pass into the table, so costs follow the machine's load.
 
-        The first live timing of a width replaces a table entry it undercuts by more
-        than DRIFT_FRACTION (that entry was timed some other time), and rescales the
+        The first live timings of a width (until CONFIRM_TIMINGS) replace a table entry
+        they undercut by more than DRIFT_FRACTION (that entry was timed some other time,
+        or the first timing in a busy moment), and rescale the
         other untested entries wider than one token by the same ratio; other timings
         are smoothed. Narrower ones too: capping them at the live timing alone would
         price a 2-token pass like the probed 7-token one, so short drafts would stay
         shut out until each width happened to be tried.
         """
         old = self.verify_s.get(width)
-        if width not in self._tested:
+        if self._timings.get(width, 0) < CONFIRM_TIMINGS:
             old = self.verify(width)  # what the table says, caps included
             # only a cheaper pass is taken whole: a table too high keeps the policy from
             # ever timing that width again, one too low is corrected by the passes it
@@ -92,6 +95,7 @@ class CostModel:
                 old = seconds
         self.verify_s[width] = old + COST_EMA * (seconds - old)
         self._tested.add(width)
+        self._timings[width] = self._timings.get(width, 0) + 1
         if width == 1:
             self._check_anchor(seconds)
         self._curve = None
@@ -115,11 +119,20 @@ class CostModel:
         self.verify_s[1] = self._anchor
         self.verify_s = {w: sec * ratio for w, sec in self._points()}
         self._anchor, self._drift = now, 0.0
-        self._tested = {1}
+        self._tested, self._timings = {1}, {1: 1}
 
     def tested(self, width: int) -> bool:
         """Whether a pass this wide (or wider) has been timed since the table's anchor."""
         return any(w >= width for w in self._tested)
+
+    def confirmed(self, width: int) -> bool:
+        """Whether a pass this wide (or wider) has been timed CONFIRM_TIMINGS times.
+
+        One timing that agrees with a stale table may be a busy moment (a pass several
+        times slower than usual); were probes to stop there, that moment would lock the
+        drafter out for good. A second probe, spaced by PROBE_SHARE, settles it.
+        """
+        return any(n >= CONFIRM_TIMINGS for w, n in self._timings.items() if w >= width)
 
     def verify(self, width: int) -> float:
         """Seconds for one target pass over `width` tokens (linear between measurements).
@@ -413,7 +426,7 @@ class DraftPolicy:
                 flat = CostModel({1: costs.verify(1)}, overlap_s=costs.overlap_s)
                 if best_k(OPTIMISTIC_ACCEPTANCE, draft_s, flat, probe_k, True)[0] == 0:
                     continue
-            if probe_k > k and not costs.tested(probe_k + 1):
+            if probe_k > k and not costs.confirmed(probe_k + 1):
                 # `update` prices the probe's pass once it has run
                 self.memory.cost_probe = (self.memory.steps, 0.0)
                 return Choice(name, probe_k, key, probe=True)

@@ -10,6 +10,7 @@ import pytest
 
 from engine.drafters.ngram import NgramDrafter
 from engine.tuning import (
+    CONFIRM_TIMINGS,
     COST_EMA,
     DRIFT_FRACTION,
     K_MAX,
@@ -183,7 +184,8 @@ def timed(costs: CostModel) -> CostModel:
     """`costs` as if each width had just been timed live at its table value: a table the
     machine has confirmed, which needs no cost probes."""
     for width, seconds in list(costs.verify_s.items()):
-        costs.observe(width, seconds)
+        for _ in range(CONFIRM_TIMINGS):
+            costs.observe(width, seconds)
     return costs
 
 
@@ -432,6 +434,23 @@ def test_without_probes_a_stale_table_locks_prompt_lookup_out(
     """Negative control: the lock-out the probes exist for."""
     choices = run_policy(CostModel(dict(STALE)), 40, False, monkeypatch)
     assert all(c.drafter is None for c in choices)
+
+
+def test_a_probe_timed_in_a_busy_moment_does_not_lock_prompt_lookup_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first probe's pass ran 9x slow (another app's burst), so it agreed with the 10x
+    stale table; a second probe later on a quiet machine shows the table wrong."""
+    def spike(step: int) -> float:
+        return 9.0 if step == 0 else 1.0
+
+    choices = run_policy(CostModel(dict(STALE)), 120, True, monkeypatch, load=spike)
+    assert choices[0].probe and choices[0].k == K_MAX
+    drafted = [i for i, c in enumerate(choices) if c.drafter]
+    assert len(drafted) > 60 and all(c.drafter for c in choices[drafted[1]:])
+    # negative control: were one timing enough to trust the table, it would stay locked
+    monkeypatch.setattr("engine.tuning.CONFIRM_TIMINGS", 1)
+    choices = run_policy(CostModel(dict(STALE)), 120, True, monkeypatch, load=spike)
+    assert [i for i, c in enumerate(choices) if c.drafter] == [0]
 
 
 def test_a_confirmed_expensive_table_gets_no_probes(monkeypatch: pytest.MonkeyPatch) -> None:
