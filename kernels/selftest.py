@@ -158,20 +158,35 @@ def time_sampler() -> dict[str, dict[int, float]]:
     return out
 
 
-def sampler_verdict() -> KernelVerdict:
-    verdict = KernelVerdict("verify_sampler", passed=False)
+def judge(name: str, check: Callable[[], tuple[bool, str, list[str]]],
+          timing: Callable[[], dict[str, dict[int, float]]], baseline: str) -> KernelVerdict:
+    """A kernel's verdict: exact against its reference first (a kernel that does not
+    compile or run fails, with the reason), then timed; it is used at the widths where it
+    beats `baseline` by WIN_MARGIN."""
     try:
-        passed, reason, ties = check_sampler()
-    except Exception as e:  # a kernel that does not compile or run fails, with the reason
-        return KernelVerdict("verify_sampler", False, f"{type(e).__name__}: {e}")
-    verdict.passed, verdict.reason = passed, reason
-    if ties:
-        verdict.notes.append(f"{ties} near-tie row(s) resolved the other way (float rounding)")
+        passed, reason, notes = check()
+    except Exception as e:
+        return KernelVerdict(name, False, f"{type(e).__name__}: {e}")
+    verdict = KernelVerdict(name, passed, reason, notes=list(notes))
     if not passed:
         return verdict
-    t = verdict.timings_ms = time_sampler()
-    verdict.widths = [r for r, ms in t["kernel"].items() if ms < t["reference"][r] * WIN_MARGIN]
+    t = verdict.timings_ms = timing()
+    verdict.widths = [w for w, ms in t["kernel"].items() if ms < t[baseline][w] * WIN_MARGIN]
     verdict.use = bool(verdict.widths)
+    return verdict
+
+
+def _sampler_check() -> tuple[bool, str, list[str]]:
+    passed, reason, ties = check_sampler()
+    return passed, reason, ([f"{ties} near-tie row(s) resolved the other way (float "
+                             "rounding)"] if ties else [])
+
+
+def sampler_verdict() -> KernelVerdict:
+    verdict = judge("verify_sampler", _sampler_check, time_sampler, "reference")
+    if not verdict.passed:
+        return verdict
+    t = verdict.timings_ms
     n_rows = SAMPLER_K + 1
     ref, ker = t["reference"][n_rows], t["kernel"][n_rows]
     saving = 1 - ker / ref
@@ -232,16 +247,10 @@ def time_qmm() -> dict[str, dict[int, float]]:
 
 
 def qmm_verdict() -> KernelVerdict:
-    verdict = KernelVerdict("qmm", passed=False)
-    try:
-        verdict.passed, verdict.reason = check_qmm()
-    except Exception as e:
-        return KernelVerdict("qmm", False, f"{type(e).__name__}: {e}")
+    verdict = judge("qmm", lambda: (*check_qmm(), []), time_qmm, "builtin")
     if not verdict.passed:
         return verdict
-    t = verdict.timings_ms = time_qmm()
-    verdict.widths = [r for r, ms in t["kernel"].items() if ms < t["builtin"][r] * WIN_MARGIN]
-    verdict.use = bool(verdict.widths)
+    t = verdict.timings_ms
     best_8 = min(t["builtin"][8], t["kernel"].get(8, float("inf")))
     ratio = best_8 / t["builtin"][1]
     target = "met" if ratio <= TARGET_QMM_RATIO_8 else "not met"
@@ -317,16 +326,10 @@ def time_kv_compact(series: dict[str, Callable[..., tuple[mx.array, mx.array]]] 
 
 
 def kv_compact_verdict() -> KernelVerdict:
-    verdict = KernelVerdict("kv_compact", passed=False)
-    try:
-        verdict.passed, verdict.reason = check_kv_compact()
-    except Exception as e:
-        return KernelVerdict("kv_compact", False, f"{type(e).__name__}: {e}")
+    verdict = judge("kv_compact", lambda: (*check_kv_compact(), []), time_kv_compact,
+                    "reference")
     if not verdict.passed:
         return verdict
-    t = verdict.timings_ms = time_kv_compact()
-    verdict.widths = [n for n, ms in t["kernel"].items() if ms < t["reference"][n] * WIN_MARGIN]
-    verdict.use = bool(verdict.widths)
     n_layers, heads, capacity, head_dim = KV_CACHE
     verdict.notes.append(
         f"widths are moved rows; {n_layers} layers x (keys, values), {heads} kv heads, "

@@ -87,3 +87,26 @@ def test_kv_compact_timing_runs_every_width() -> None:
     t = selftest.time_kv_compact({"reference": kv_compact.reference})
     assert list(t) == ["reference"] and sorted(t["reference"]) == list(selftest.WIDTHS)
     assert all(ms > 0 for ms in t["reference"].values())
+
+
+def test_a_kernel_is_judged_exact_first_then_used_only_where_it_wins() -> None:
+    timings = {"kernel": {1: 1.0, 2: 0.5, 4: 0.95 * selftest.WIN_MARGIN},
+               "reference": {1: 0.9, 2: 1.0, 4: 1.0}}
+    won = selftest.judge("k", lambda: (True, "", ["a note"]), lambda: timings, "reference")
+    assert won.passed and won.use and won.widths == [2, 4] and won.notes == ["a note"]
+    # negative controls: a kernel that disagrees is never timed nor used, one that raises
+    # fails with the reason, and one slower everywhere passes but is not used
+    def untimed() -> dict:
+        raise AssertionError("a failing kernel was timed")
+
+    wrong = selftest.judge("k", lambda: (False, "row 3 differs", []), untimed, "reference")
+    assert (wrong.passed, wrong.use, wrong.reason) == (False, False, "row 3 differs")
+
+    def broken() -> tuple[bool, str, list[str]]:
+        raise RuntimeError("No Metal back-end")
+
+    failed = selftest.judge("k", broken, untimed, "reference")
+    assert not failed.passed and failed.reason == "RuntimeError: No Metal back-end"
+    slow = selftest.judge("k", lambda: (True, "", []),
+                          lambda: {"kernel": {1: 2.0}, "reference": {1: 1.0}}, "reference")
+    assert slow.passed and not slow.use and slow.widths == []
