@@ -90,6 +90,50 @@ def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
     return DraftRun(tuple(int(x) for x in drafted.tolist()), logq, tuple(raw))
 
 
+# alternatives per depth a tree may add (depth 1 gets two runner-ups, depth 2 one)
+RUNNER_UPS = (2, 1)
+
+
+def with_runner_ups(chain: Draft, raw: Sequence[mx.array], n_context: int,
+                    sampling: SamplingParams, accept: str, extra: int) -> Draft:
+    """`chain` (drawn by `draft_tokens`, `raw` its per-depth logits) plus, within `extra`
+    nodes, the runner-ups under the same noise at depths 1..len(RUNNER_UPS) as leaves
+    beside the chain's node there (EAGLE-2 style: where the drafter's own pick is wrong,
+    its next best under the target's noise is the likeliest target choice, and a leaf
+    costs a verify row but no draft step). Coupled rule only; ids the drafter cannot
+    propose (-inf, e.g. outside a head's hot vocabulary) are never added."""
+    if extra <= 0 or accept != "coupled" or chain.logq is None or not chain.ids:
+        return chain
+    leaves: list[tuple[int, int, int]] = []  # (depth, token, logq row)
+    for depth, count in enumerate(RUNNER_UPS[: len(chain.ids)], start=1):
+        # greedy: q is one-hot, so the runner-up comes from the drafter's logits
+        row = (raw[depth - 1].astype(mx.float32) if sampling.greedy
+               else chain.logq[depth - 1 : depth])
+        taken = [chain.ids[depth - 1]]
+        for _ in range(count):
+            masked = row
+            for tok in taken:
+                masked = mx.concatenate([masked[:, :tok], mx.array([[-mx.inf]]),
+                                         masked[:, tok + 1 :]], axis=1)
+            pick = (mx.argmax(masked[0]) if sampling.greedy
+                    else sample_coupled(masked, sampling.seed, [n_context + depth - 1])[0])
+            alt = int(pick.item())
+            if alt in taken or not mx.isfinite(masked[0, alt]).item():
+                break
+            taken.append(alt)
+            leaves.append((depth, alt, depth - 1))
+    leaves = leaves[:extra]
+    if not leaves:
+        return chain
+    # depth-first: the chain, then the leaves from the deepest fork up
+    leaves.sort(key=lambda leaf: -leaf[0])
+    ids = [*chain.ids, *(tok for _, tok, _ in leaves)]
+    parents = [*range(-1, len(chain.ids) - 1), *(depth - 2 for depth, _, _ in leaves)]
+    rows = mx.array([*range(len(chain.ids)), *(r for _, _, r in leaves)])
+    tree = DraftTree(tuple(ids), tuple(parents))
+    return Draft(tree.ids, chain.logq[rows], tree.parents)
+
+
 class Drafter(Protocol):
     """What the speculative loop needs from a drafter."""
 

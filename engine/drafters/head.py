@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.cache import KVCache, PreallocatedKVCache
-from engine.drafters.base import Draft, draft_tokens
+from engine.drafters.base import Draft, draft_tokens, with_runner_ups
 from engine.models.decoder import MLP, Attention, Linear, ModelArgs
 from engine.models.taps import FeatureTap
 from engine.sampling import SamplingParams, log_probs, sample_coupled
@@ -216,6 +216,7 @@ class HeadDrafter:
         self.cache = PreallocatedKVCache(chunk=256)
         self.ids: list[int] = []  # the committed context the cache's rows belong to
         self._last: mx.array | None = None  # output state of the newest row (1, 1, D)
+        self._raw: list[mx.array] = []  # the last proposal's logits per depth (1, V)
 
     def detach(self) -> None:
         """Stop recording the target's features (the drafter is being dropped)."""
@@ -266,7 +267,16 @@ class HeadDrafter:
 
         run = draft_tokens(self._full_logits(out), step, context, k, sampling, accept)
         self.cache.trim(len(context) - 1)
+        self._raw = list(run.logits)
         return Draft(run.ids, run.logq)
+
+    def propose_tree(self, context: Sequence[int], k: int, extra: int,
+                     sampling: SamplingParams | None = None, accept: str = "coupled") -> Draft:
+        """The chain `propose` drafts plus the head's runner-ups at the shallow depths (as
+        the draft model's; none outside the hot vocabulary)."""
+        sampling = sampling or SamplingParams()
+        chain = self.propose(context, k, sampling, accept)
+        return with_runner_ups(chain, self._raw, len(context), sampling, accept, extra)
 
     def _full_logits(self, out: mx.array) -> mx.array:
         """Output state (1, 1, D) -> logits over the target's vocabulary (1, V)."""

@@ -18,12 +18,8 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from engine.cache import make_caches
-from engine.drafters.base import Draft, draft_tokens, sync_cache
-from engine.sampling import SamplingParams, sample_coupled
-from engine.tree import DraftTree
-
-# alternatives per depth a tree may add (depth 1 gets two runner-ups, depth 2 one)
-RUNNER_UPS = (2, 1)
+from engine.drafters.base import Draft, draft_tokens, sync_cache, with_runner_ups
+from engine.sampling import SamplingParams
 
 
 class ModelDrafter:
@@ -77,37 +73,7 @@ class ModelDrafter:
         same noise at depths 1..len(RUNNER_UPS) as leaves beside the chain's node there."""
         sampling = sampling or SamplingParams()
         chain = self.propose(context, k, sampling, accept)
-        if extra <= 0 or accept != "coupled" or chain.logq is None or not chain.ids:
-            return chain
-        t = len(context)
-        leaves: list[tuple[int, int, int]] = []  # (depth, token, logq row)
-        for depth, count in enumerate(RUNNER_UPS[: len(chain.ids)], start=1):
-            # greedy: q is one-hot, so the runner-up comes from the draft's logits
-            row = (self._raw[depth - 1].astype(mx.float32) if sampling.greedy
-                   else chain.logq[depth - 1 : depth])
-            taken = [chain.ids[depth - 1]]
-            for _ in range(count):
-                masked = row
-                for tok in taken:
-                    masked = mx.concatenate([masked[:, :tok], mx.array([[-mx.inf]]),
-                                             masked[:, tok + 1 :]], axis=1)
-                pick = (mx.argmax(masked[0]) if sampling.greedy
-                        else sample_coupled(masked, sampling.seed, [t + depth - 1])[0])
-                alt = int(pick.item())
-                if alt in taken or not mx.isfinite(masked[0, alt]).item():
-                    break
-                taken.append(alt)
-                leaves.append((depth, alt, depth - 1))
-        leaves = leaves[:extra]
-        if not leaves:
-            return chain
-        # depth-first: the chain, then the leaves from the deepest fork up
-        leaves.sort(key=lambda leaf: -leaf[0])
-        ids = [*chain.ids, *(tok for _, tok, _ in leaves)]
-        parents = [*range(-1, len(chain.ids) - 1), *(depth - 2 for depth, _, _ in leaves)]
-        rows = mx.array([*range(len(chain.ids)), *(r for _, _, r in leaves)])
-        tree = DraftTree(tuple(ids), tuple(parents))
-        return Draft(tree.ids, chain.logq[rows], tree.parents)
+        return with_runner_ups(chain, self._raw, len(context), sampling, accept, extra)
 
     def commit(self, context: Sequence[int]) -> None:
         """Hold exactly `context[:-1]`: trim rejected drafts, feed accepted-but-unfed ones."""

@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 
 from engine.cache import make_caches
 from engine.decode import ChatSession, GenerateOptions
+from engine.drafters.base import RUNNER_UPS
 from engine.drafters.head import HeadConfig, HeadDrafter, HeadModel, default_layers
 from engine.drafters.head_io import (
     current_checkpoint,
@@ -317,6 +318,31 @@ def test_q_is_lifted_to_the_full_vocabulary(target: LoadedModel, trained: HeadMo
     cold = np.setdiff1d(np.arange(V), trained.hot_ids)
     assert np.all(q[:, cold] == 0.0)
     assert set(draft.ids) <= set(trained.hot_ids.tolist())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_head_trees_add_its_runner_ups_from_the_hot_vocabulary(
+        target: LoadedModel, trained: HeadModel, temperature: float) -> None:
+    """The head is a tree source like the draft model: its chain plus runner-ups under the
+    same noise at depths 1-2 (issue 13), never outside its hot vocabulary."""
+    caches = make_caches(target.model.n_layers)
+    drafter = HeadDrafter(trained, target.model, caches)
+    sampling = SamplingParams(temperature=temperature, seed=2)
+    try:
+        ids = target.tokenizer.encode_chat(USER)
+        target.model(mx.array([ids[:-1]]), cache=caches)  # the target's pass, tapped
+        chain = drafter.propose(ids, 4, sampling, "coupled")
+        tree = drafter.propose_tree(ids, 4, 8, sampling=sampling, accept="coupled")
+        refused = drafter.propose_tree(ids, 4, 8, sampling=sampling, accept="rejection")
+    finally:
+        drafter.detach()
+    assert tree.parents is not None and tree.ids[:4] == chain.ids
+    extra = tree.ids[4:]
+    assert len(extra) == sum(RUNNER_UPS) and set(extra) <= set(trained.hot_ids.tolist())
+    assert tree.parents[4:] == (0, -1, -1)  # deepest fork first: depth 2, then depth 1 twice
+    assert extra[1] != chain.ids[0] and extra[2] != chain.ids[0] and extra[0] != chain.ids[1]
+    assert tree.logq is not None and tree.logq.shape[0] == len(tree.ids)
+    assert refused.parents is None  # the rejection rule verifies chains only
 
 
 def test_head_config_json_round_trip(target: LoadedModel) -> None:

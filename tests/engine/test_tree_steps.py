@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from engine.cache import cache_length, make_caches
-from engine.drafters.base import Draft
-from engine.drafters.model import RUNNER_UPS, ModelDrafter
+from engine.drafters.base import RUNNER_UPS, Draft
+from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.events import TokenKind
 from engine.loading import LoadedModel, load_model
