@@ -29,6 +29,7 @@ from engine.cache import make_caches
 from engine.errors import EngineError
 
 TOP_K = 16
+PREFILL_CHUNK = 8  # positions per pass when reading prompts (see `read_positions`)
 HELDOUT_EVERY = 10  # one item in ten (by a hash of its id) is held out for evaluation
 
 
@@ -145,12 +146,54 @@ def topk_probs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return ids.astype(mx.int32), p
 
 
-def _pass(model, ids: mx.array, mask: mx.array, caches, layers: Sequence[int]):
+def _pass(model, ids: mx.array, mask: mx.array | None, caches, layers: Sequence[int]):
     """One batched forward returning (logits, features (B, L, F))."""
     capture: dict[int, mx.array | None] = dict.fromkeys(layers)
     logits = model(ids, mask=mask, cache=caches, capture=capture)
     feats = mx.concatenate([capture[i] for i in layers], axis=-1)  # type: ignore[misc]
     return logits, feats
+
+
+@dataclass
+class Read:
+    """What a run of passes left on the host: features (B, L, F) float16 and the target's
+    top-k (B, L, k); and the device logits of the last position read (B, V)."""
+
+    feats: np.ndarray
+    top_ids: np.ndarray
+    top_p: np.ndarray
+    last: mx.array
+
+
+def read_positions(model, grid: np.ndarray, valid: np.ndarray, caches, layers: Sequence[int],
+                   top_k: int, offset: int = 0, chunk: int = PREFILL_CHUNK) -> Read:
+    """Feed `grid` (B, L) into `caches` (which hold `offset` positions), `chunk` positions
+    at a time, keeping each chunk's features and top-k only. `valid` (B, offset + L) is
+    False at the left padding of a row.
+
+    Why chunks: one pass over a batch of prompts would hold (B, L, V) float32 logits — for
+    16 rows of 150 tokens and a 49k vocabulary, 470 MB — when only their top-k is kept.
+    A padded position attends to itself only (an empty row would be NaN); real ones never
+    see pads, so RoPE's relative positions make each row's results those of its own run.
+    """
+    B, L = grid.shape
+    feats, ids, ps = [], [], []
+    last: mx.array | None = None
+    for a in range(0, L, chunk):
+        b = min(a + chunk, L)
+        rows = np.arange(offset + a, offset + b)[:, None]
+        keys = np.arange(offset + b)[None, :]
+        mask = ((keys <= rows)[None] & valid[:, None, : offset + b]) | (keys == rows)[None]
+        logits, f = _pass(model, mx.array(grid[:, a:b]), mx.array(mask[:, None]), caches,
+                          layers)
+        top_ids, top_p = topk_probs(logits, top_k)
+        last = logits[:, -1].astype(mx.float32)
+        mx.eval(top_ids, top_p, f, last)
+        feats.append(np.array(f.astype(mx.float16)))
+        ids.append(np.array(top_ids))
+        ps.append(np.array(top_p))
+    assert last is not None, "no positions to read"
+    return Read(np.concatenate(feats, 1), np.concatenate(ids, 1), np.concatenate(ps, 1), last)
 
 
 def generate_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[int], *,
@@ -169,12 +212,10 @@ def generate_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[i
     grid = np.zeros((B, P), dtype=np.int32)
     for b, p in enumerate(prompts):
         grid[b, pads[b]:] = p
-    caches = make_caches(model.n_layers)
-    # a padded position attends to itself only (an empty row would be NaN); real ones never
-    # see pads, so RoPE's relative positions make each row's results those of its own run
-    causal = np.tril(np.ones((P, P), dtype=bool))
-    mask = (causal[None] & valid[:, None, :P]) | np.eye(P, dtype=bool)[None]
-    logits, feats = _pass(model, mx.array(grid), mx.array(mask[:, None]), caches, layers)
+    # one allocation of exactly the rows a batch can use: growing by chunks would leave
+    # most rows' buffers 256 positions too long (a third of the training's memory)
+    caches = make_caches(model.n_layers, chunk=total)
+    prompt_read = read_positions(model, grid, valid[:, :P], caches, layers, top_k)
     key = mx.random.key(seed)
     feats_rows: list[list[np.ndarray]] = [[] for _ in range(B)]
     ids_rows: list[list[np.ndarray]] = [[] for _ in range(B)]
@@ -183,20 +224,15 @@ def generate_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[i
     done = [False] * B
     n_new = [0] * B
 
-    def keep(logits: mx.array, feats: mx.array, first: list[int]) -> mx.array:
-        top_ids, top_p = topk_probs(logits, top_k)
-        last = logits[:, -1].astype(mx.float32)
-        mx.eval(top_ids, top_p, feats, last)
-        f16, ti, tp = (np.array(feats.astype(mx.float16)), np.array(top_ids),
-                       np.array(top_p))
+    def keep(read: Read, first: list[int]) -> mx.array:
         for b in range(B):
             if not done[b]:
-                feats_rows[b].append(f16[b, first[b]:])
-                ids_rows[b].append(ti[b, first[b]:])
-                p_rows[b].append(tp[b, first[b]:])
-        return last
+                feats_rows[b].append(read.feats[b, first[b]:])
+                ids_rows[b].append(read.top_ids[b, first[b]:])
+                p_rows[b].append(read.top_p[b, first[b]:])
+        return read.last
 
-    last = keep(logits, feats, pads)
+    last = keep(prompt_read, pads)
     for step in range(max_new):
         key, sub = mx.random.split(key)
         if temperature > 0:
@@ -213,9 +249,9 @@ def generate_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[i
         if all(done):
             break
         S = P + step + 1
-        logits, feats = _pass(model, mx.array(chosen, dtype=mx.int32)[:, None],
-                              mx.array(valid[:, None, None, :S]), caches, layers)
-        last = keep(logits, feats, [0] * B)
+        step_grid = np.array(chosen, dtype=np.int32)[:, None]
+        last = keep(read_positions(model, step_grid, valid[:, :S], caches, layers, top_k,
+                                   offset=S - 1), [0] * B)
     return [_sample(it, np.array(tokens[b], dtype=np.int32), feats_rows[b], ids_rows[b],
                     p_rows[b], len(prompts[b]) - 1) for b, it in enumerate(items)]
 
@@ -230,14 +266,12 @@ def read_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[int],
         if len(full) < 2:
             continue
         caches = make_caches(model.n_layers)
-        ids = mx.array([full[:-1]])
-        logits, feats = _pass(model, ids, None, caches, layers)
-        top_ids, top_p = topk_probs(logits, top_k)
-        mx.eval(top_ids, top_p, feats)
+        grid = np.array([full[:-1]], dtype=np.int32)
+        read = read_positions(model, grid, np.ones(grid.shape, dtype=bool), caches, layers,
+                              top_k)
         start = max(min(len(prompt), len(full) - 1) - 1, 0)
-        out.append(_sample(it, np.array(full, dtype=np.int32),
-                           [np.array(feats[0].astype(mx.float16))], [np.array(top_ids[0])],
-                           [np.array(top_p[0])], start))
+        out.append(_sample(it, np.array(full, dtype=np.int32), [read.feats[0]],
+                           [read.top_ids[0]], [read.top_p[0]], start))
     return out
 
 

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from engine.drafters.head import HeadModel
 from engine.training.data import Sample
@@ -28,6 +28,7 @@ from engine.training.data import Sample
 @dataclass(frozen=True)
 class FitOptions:
     batch_size: int = 4
+    micro_batch: int = 1  # rows whose gradient is evaluated at once (memory, see train_step)
     window: int = 256  # positions per training row (longer sequences are cut)
     unroll: int = 3  # draft steps trained per position
     step_decay: float = 0.8  # weight of step s is decay**(s-1)
@@ -143,14 +144,32 @@ def unrolled_outputs(head: HeadModel, batch: Batch, unroll: int) -> list[mx.arra
     return out
 
 
-def loss_fn(head: HeadModel, batch: Batch, unroll: int, decay: float) -> mx.array:
+def label_counts(batch: Batch) -> list[mx.array]:
+    """Per unrolled step, the positions its loss averages over (at least 1)."""
+    return [mx.maximum(mx.sum(m), 1.0) for m in batch.mask]
+
+
+def loss_fn(head: HeadModel, batch: Batch, unroll: int, decay: float,
+            counts: Sequence[mx.array] | None = None) -> mx.array:
+    """Soft cross-entropy to the target's top-k, averaged per unrolled step over `counts`
+    positions (the batch's own; a micro-batch passes its whole batch's, so the parts of a
+    batch add up to the batch's loss)."""
+    counts = counts if counts is not None else label_counts(batch)
     total = mx.array(0.0)
     for s, logits in enumerate(unrolled_outputs(head, batch, unroll)):
         logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         ce = -mx.sum(batch.label_p[s] * mx.take_along_axis(logp, batch.label_ids[s], -1), -1)
-        m = batch.mask[s]
-        total = total + (decay**s) * mx.sum(ce * m) / mx.maximum(mx.sum(m), 1.0)
+        total = total + (decay**s) * mx.sum(ce * batch.mask[s]) / counts[s]
     return total
+
+
+def batch_rows(batch: Batch, a: int, b: int) -> Batch:
+    """Rows a..b of `batch` (a micro-batch)."""
+    def cut(xs: list[mx.array]) -> list[mx.array]:
+        return [x[a:b] for x in xs]
+
+    return Batch(batch.features[a:b], cut(batch.ids), cut(batch.label_ids),
+                 cut(batch.label_p), cut(batch.mask), cut(batch.top1), batch.n_tokens)
 
 
 def top1_agreement(head: HeadModel, batch: Batch, unroll: int) -> list[tuple[int, int]]:
@@ -195,9 +214,21 @@ class Trainer:
         return [self.rows[i] for i in chosen]
 
     def train_step(self) -> float:
+        """One optimizer step over a batch, its gradient summed over micro-batches of
+        `micro_batch` rows, each evaluated before the next: MLX would otherwise hold every
+        row's hot-vocabulary logits and their gradients at once (about 400 MB at 4 rows of
+        256 positions), and training runs beside the user's chats."""
         o = self.options
         batch = make_batch(self.samples, self.picks(self.step), o.window, o.unroll, self.lift)
-        loss, grads = self._grad(self.head, batch, o.unroll, o.step_decay)
+        counts = label_counts(batch)
+        loss, grads = mx.array(0.0), None
+        for a in range(0, batch.features.shape[0], max(o.micro_batch, 1)):
+            part = batch_rows(batch, a, a + max(o.micro_batch, 1))
+            part_loss, part_grads = self._grad(self.head, part, o.unroll, o.step_decay,
+                                               counts)
+            loss = loss + part_loss
+            grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
+            mx.eval(loss, grads)
         grads, _ = optim.clip_grad_norm(grads, o.grad_clip)
         self.optimizer.update(self.head, grads)
         mx.eval(self.head.parameters(), self.optimizer.state, loss)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from engine.cache import PreallocatedKVCache
+from engine.cache import PreallocatedKVCache, cache_length, make_caches
 from engine.decode import ChatSession, GenerateOptions
 from engine.drafters.head_io import current_checkpoint, load_head
 from engine.errors import EngineError
@@ -30,12 +30,14 @@ from engine.training.data import (
     history_items,
     load_shard,
     read_items,
+    read_positions,
     read_samples,
     save_shard,
 )
 from engine.training.fit import (
     FitOptions,
     Trainer,
+    batch_rows,
     loss_fn,
     make_batch,
     unrolled_outputs,
@@ -101,6 +103,32 @@ def test_generated_features_and_labels_are_the_teacher_forced_ones(target: Loade
     assert np.array_equal(s.top_ids[np.arange(len(top)), np.argmax(s.top_p, -1)], top)
     rows = np.arange(len(top))[:, None]
     assert np.allclose(s.top_p.astype(np.float32), p[rows, s.top_ids], atol=2e-3)
+
+
+def test_prompts_are_read_in_chunks_as_in_one_pass(target: LoadedModel) -> None:
+    """Chunked reading (so a batch's full-vocabulary logits never exist at once) gives the
+    one-pass features and top-k, left padding included."""
+    rng = np.random.default_rng(0)
+    grid = rng.integers(1, 200, size=(3, 23)).astype(np.int32)
+    valid = np.ones(grid.shape, dtype=bool)
+    valid[1, :7] = valid[2, :15] = False  # left padding
+    whole = read_positions(target.model, grid, valid, make_caches(target.model.n_layers),
+                           LAYERS, 8, chunk=64)
+    caches = make_caches(target.model.n_layers)
+    parts = read_positions(target.model, grid, valid, caches, LAYERS, 8, chunk=5)
+    assert cache_length(caches) == grid.shape[1]
+    for b in range(3):
+        real = valid[b]
+        assert np.allclose(parts.feats[b, real].astype(np.float32),
+                           whole.feats[b, real].astype(np.float32), atol=2e-2, rtol=1e-2)
+        assert np.array_equal(parts.top_ids[b, real, 0], whole.top_ids[b, real, 0])
+        assert np.allclose(parts.top_p[b, real], whole.top_p[b, real], atol=2e-3)
+    assert np.allclose(np.array(parts.last), np.array(whole.last), atol=1e-3)
+    # negative control: without the padding mask the padded rows read differently
+    wrong = read_positions(target.model, grid, np.ones(grid.shape, dtype=bool),
+                           make_caches(target.model.n_layers), LAYERS, 8, chunk=5)
+    assert not np.allclose(wrong.feats[2, 15:].astype(np.float32),
+                           whole.feats[2, 15:].astype(np.float32), atol=2e-2, rtol=1e-2)
 
 
 def test_history_is_read_teacher_forced(target: LoadedModel) -> None:
@@ -193,6 +221,31 @@ def test_loss_falls_on_a_fixed_batch(target: LoadedModel, samples) -> None:
     for _ in range(3):
         still.train_step()
     assert float(loss_fn(head0, batch, 3, 0.8).item()) == pytest.approx(before, rel=1e-5)
+
+
+def test_micro_batches_step_as_the_whole_batch(target: LoadedModel, samples) -> None:
+    """A batch's gradient summed over one-row micro-batches (so only a row's logits are
+    alive at once) is the whole batch's: two steps land on the same weights."""
+    V = target.model.args.vocab_size
+    hot = choose_hot_ids(samples, V, 10_000)
+    heads = []
+    for micro in (4, 1):
+        head = init_head(target.model, hot, LAYERS, 0)
+        trainer = Trainer(head, samples, FitOptions(batch_size=4, window=64, warmup=1,
+                                                    learning_rate=3e-3, micro_batch=micro))
+        losses = [trainer.train_step() for _ in range(2)]
+        heads.append((head, losses))
+    (whole, l4), (parts, l1) = heads
+    assert l1 == pytest.approx(l4, rel=1e-4)
+    for (name, a), (_, b) in zip(tree_flatten(whole.trainable_parameters()),
+                                 tree_flatten(parts.trainable_parameters()), strict=True):
+        assert mx.allclose(a, b, atol=1e-5, rtol=1e-4), name
+    # negative control: micro-batches that average over their own rows step differently
+    batch = make_batch(samples, Trainer(whole, samples, FitOptions()).rows[:4], 64, 3,
+                       np.array(whole.lift_index))
+    own = sum(float(loss_fn(whole, batch_rows(batch, i, i + 1), 3, 0.8).item())
+              for i in range(4))
+    assert own != pytest.approx(float(loss_fn(whole, batch, 3, 0.8).item()), rel=1e-2)
 
 
 def test_windows_cover_reply_labels_only(samples) -> None:
