@@ -57,7 +57,10 @@ def test_training_progress_pause_on_send_and_stop(qtbot, make_gui, target: Path,
 
     # Stop: a checkpoint, then the window says so
     qtbot.mouseClick(dialog.stop_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: bool(ended) and not dialog.running, timeout=TIMEOUT)
+    # `ended` is filled on the worker's thread as the job ends; the dialog hears of it
+    # through the GUI thread's event queue, and enables Start again when it has
+    qtbot.waitUntil(lambda: bool(ended) and dialog.start_button.isEnabled(), timeout=TIMEOUT)
+    assert not dialog.running
     last, error = ended[0]
     assert error == "" and last.phase == "done" and last.checkpoint
     assert dialog.status.text().startswith(f"Saved after {last.step} steps")
