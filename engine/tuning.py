@@ -62,8 +62,8 @@ class CostModel:
         # verify() for every width up to K_MAX + 1, rebuilt after a change: the policy asks
         # for the whole curve every step, and the step's host time competes with the pass
         self._curve: list[float] | None = None
-        self._tested: set[int] = set()  # widths timed live since the table was anchored
-        self._timings: dict[int, int] = {}  # how many times, per width
+        # widths timed live since the table was anchored (*tested*), and how many times
+        self._timings: dict[int, int] = {}
         self._anchor = self.verify_s.get(1)  # the width-1 cost the table agrees with
         self._drift = 0.0  # smoothed log(width-1 timing / anchor)
         # what live timings changed, for the user: (width, table seconds, live seconds)
@@ -74,11 +74,11 @@ class CostModel:
 
         The first live timings of a width (until CONFIRM_TIMINGS) replace a table entry
         they undercut by more than DRIFT_FRACTION (that entry was timed some other time,
-        or the first timing in a busy moment), and rescale the
-        other untested entries wider than one token by the same ratio; other timings
-        are smoothed. Narrower ones too: capping them at the live timing alone would
-        price a 2-token pass like the probed 7-token one, so short drafts would stay
-        shut out until each width happened to be tried.
+        or the first timing in a busy moment), and rescale the other untested entries
+        wider than one token by the same ratio; other timings are smoothed. Narrower
+        ones too: capping them at the live timing alone would price a 2-token pass like
+        the probed 7-token one, so short drafts would stay shut out until each width
+        happened to be tried.
         """
         old = self.verify_s.get(width)
         if self._timings.get(width, 0) < CONFIRM_TIMINGS:
@@ -90,11 +90,10 @@ class CostModel:
                 self.corrections.append((width, old, seconds))
                 if width > 1:  # untested multi-token entries are likely off the same way
                     for w in self.verify_s:
-                        if w > 1 and w != width and w not in self._tested:
+                        if w > 1 and w != width and w not in self._timings:
                             self.verify_s[w] *= seconds / old
                 old = seconds
         self.verify_s[width] = old + COST_EMA * (seconds - old)
-        self._tested.add(width)
         self._timings[width] = self._timings.get(width, 0) + 1
         if width == 1:
             self._check_anchor(seconds)
@@ -119,11 +118,11 @@ class CostModel:
         self.verify_s[1] = self._anchor
         self.verify_s = {w: sec * ratio for w, sec in self._points()}
         self._anchor, self._drift = now, 0.0
-        self._tested, self._timings = {1}, {1: 1}
+        self._timings = {1: 1}
 
     def tested(self, width: int) -> bool:
         """Whether a pass this wide (or wider) has been timed since the table's anchor."""
-        return any(w >= width for w in self._tested)
+        return any(w >= width for w in self._timings)
 
     def confirmed(self, width: int) -> bool:
         """Whether a pass this wide (or wider) has been timed CONFIRM_TIMINGS times.
@@ -157,12 +156,12 @@ class CostModel:
         items = sorted(self.verify_s.items())
         caps, cap = [], float("inf")
         for w, sec in reversed(items):
-            if w in self._tested:
+            if w in self._timings:
                 cap = min(cap, sec)
             caps.append(cap)
         points: list[tuple[int, float]] = []
         for (w, sec), cap in zip(items, reversed(caps), strict=True):
-            sec = sec if w in self._tested else min(sec, cap)
+            sec = sec if w in self._timings else min(sec, cap)
             points.append((w, max(sec, points[-1][1]) if points else sec))
         return points
 
