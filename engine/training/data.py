@@ -136,14 +136,23 @@ def history_items(conversations: Sequence[Sequence[dict[str, str]]]) -> list[Ite
 # ----------------------------------------------------------------------------- passes
 
 
-def topk_probs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """Top-k ids (…, k) and their probabilities under softmax(logits)."""
+def _topk(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    V = logits.shape[-1]
     logits = logits.astype(mx.float32)
-    k = min(k, logits.shape[-1])
-    ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+    ids = mx.argpartition(logits, kth=V - k, axis=-1)[..., V - k :]
     vals = mx.take_along_axis(logits, ids, axis=-1)
-    p = mx.exp(vals - mx.logsumexp(logits, axis=-1, keepdims=True))
-    return ids.astype(mx.int32), p
+    return ids.astype(mx.int32), mx.exp(vals - mx.logsumexp(logits, axis=-1, keepdims=True))
+
+
+_topk_compiled = mx.compile(_topk)
+
+
+def topk_probs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """Top-k ids (…, k) and their probabilities under softmax(logits).
+
+    Compiled (one fused kernel for the softmax normaliser) and without a negated copy of
+    the logits: the online buffer runs it with every pass of a recorded chat."""
+    return _topk_compiled(logits, min(k, logits.shape[-1]))
 
 
 def _pass(model, ids: mx.array, mask: mx.array | None, caches, layers: Sequence[int]):

@@ -31,7 +31,7 @@ import numpy as np
 
 from engine.errors import EngineError
 from engine.models.taps import Capture, FeatureTap
-from engine.training.data import TOP_K, Item, Sample, load_shard, save_shard
+from engine.training.data import TOP_K, Item, Sample, load_shard, save_shard, topk_probs
 
 log = logging.getLogger(__name__)
 
@@ -67,19 +67,6 @@ def open_buffer(target_path: Path, layers: Sequence[int], **kwargs) -> OnlineBuf
     return OnlineBuffer(online_dir(head_root(target_path), layers), **kwargs)
 
 
-def _topk(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """`topk_probs` for one pass's rows (L, V), without its negated copy of the logits;
-    compiled (one fused kernel for the softmax normaliser), since it runs with every pass."""
-    V = logits.shape[-1]
-    logits = logits.astype(mx.float32)
-    ids = mx.argpartition(logits, kth=V - k, axis=-1)[..., V - k :]
-    vals = mx.take_along_axis(logits, ids, axis=-1)
-    return ids.astype(mx.int32), mx.exp(vals - mx.logsumexp(logits, axis=-1, keepdims=True))
-
-
-_topk_compiled = mx.compile(_topk)
-
-
 class OnlineTap(FeatureTap):
     """A feature tap that also keeps the target's top-k next-token distribution.
 
@@ -103,8 +90,7 @@ class OnlineTap(FeatureTap):
         if skip >= logits.shape[1]:
             self.truncate(start)  # the pass still replaces any rows from `start` on
             return
-        k = min(self.top_k, logits.shape[-1])
-        ids, p = _topk_compiled(logits[0, skip:], k)  # (L, k) each
+        ids, p = topk_probs(logits[0, skip:], self.top_k)  # (L, k) each
         rows = mx.concatenate([self.features(capture)[skip:].astype(mx.float32),
                                ids.astype(mx.float32), p], axis=-1)
         # computed with the pass: the logits (L, V) need not outlive it
