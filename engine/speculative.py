@@ -171,6 +171,15 @@ def verified_step(tree: DraftTree, verdict: TreeVerdict) -> tuple[list[int], lis
     return ids, kinds, probs, None if tree.is_chain else labels
 
 
+def tree_stats(policy: DraftPolicy, drafter: str | None) -> TreeStats:
+    """What the session has learned about `drafter`'s runner-ups: it belongs to the
+    drafter, not to one reply, so it lives in the policy memory the session keeps."""
+    stats = policy.memory.tree_stats.get(drafter or "")
+    if stats is None:
+        stats = policy.memory.tree_stats[drafter or ""] = TreeStats()
+    return stats
+
+
 def speculative_steps(
     model,
     caches: Sequence[KVCache],
@@ -222,9 +231,8 @@ def speculative_steps(
         costs = getattr(policy, "costs", None)  # a scripted policy in tests has none
         if draft.parents is not None and costs is not None:
             est = policy.estimates.get(choice.estimate or "")
-            # how often a runner-up wins belongs to the drafter, not one reply
-            tree_stats = policy.memory.tree_stats.setdefault(choice.drafter or "", TreeStats())
-            pruned = prune_tree(draft.tree, est.alpha if est else 0.5, tree_stats.alt.alpha,
+            pruned = prune_tree(draft.tree, est.alpha if est else 0.5,
+                                tree_stats(policy, choice.drafter).alt.alpha,
                                 costs, costs.draft_s.get(choice.drafter or "", 0.0))
             draft = Draft(pruned.ids, None, None if pruned.is_chain else pruned.parents)
         t_drafted = time.perf_counter()
@@ -254,8 +262,7 @@ def speculative_steps(
         assert drafter is not None
         drafter.commit(context)
         if not shape.is_chain:
-            policy.memory.tree_stats.setdefault(choice.drafter or "", TreeStats()).observe(
-                shape, verdict.path)
+            tree_stats(policy, choice.drafter).observe(shape, verdict.path)
         ids, kinds, probs, branches = verified_step(shape, verdict)
         t_end = time.perf_counter()
         # the acceptance estimate sees the branch the walk took: a rejection unless it
