@@ -133,11 +133,6 @@ class FeatureTaps:
     def remove(self, tap: FeatureTap) -> None:
         self._taps = [weakref.ref(t) for t in self._live() if t is not tap]
 
-    def find(self, cache: object) -> FeatureTap | None:
-        """The first tap watching the cache list whose first cache is `cache`."""
-        found = self.find_all(cache)
-        return found[0] if found else None
-
     def find_all(self, cache: object) -> list[FeatureTap]:
         """Every tap watching the cache list whose first cache is `cache`."""
         return [t for t in self._live() if t.owner is cache]

@@ -115,7 +115,7 @@ def test_nothing_is_recorded_when_off(target: LoadedModel, tmp_path: Path) -> No
     assert target.model.feature_taps.find_all(session.caches_tgt[0]) == []
     buffer = OnlineBuffer(tmp_path / "buf")
     session.set_online(buffer)
-    assert isinstance(target.model.feature_taps.find(session.caches_tgt[0]), OnlineTap)
+    assert isinstance(target.model.feature_taps.find_all(session.caches_tgt[0])[0], OnlineTap)
     reply(session, PROMPT, max_tokens=8)
     assert buffer.positions == 8
     session.set_online(None)  # switched off again: no tap, no new positions
