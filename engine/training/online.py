@@ -9,19 +9,24 @@ At the end of a reply the committed reply positions are copied to the host once 
 to an `OnlineBuffer`, which appends them to a ring of shard folders under the head's
 folder (`heads/<target key>/online/layers-<a>-<b>-<c>/`) on a background thread: each
 segment is written under a temporary name and renamed, the oldest are dropped past a cap,
-and a damaged one is set aside with one clear line. `train_drafter --data history` reads
-these instead of re-reading the same replies teacher-forced.
+and a damaged one is set aside with one clear line. Several processes may share one buffer
+(the app and `understudy chat --learn`): a writer holds an advisory lock on the folder
+while it numbers, writes and trims segments, and first re-reads what the others wrote.
+`train_drafter --data history` reads these instead of re-reading the same replies
+teacher-forced.
 
 Off (no tap, nothing written) unless a front end passes a buffer to the `ChatSession`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +44,20 @@ ONLINE_DIR = "online"
 MAX_POSITIONS = 50_000  # about 170 MB of features for SmolLM2-135M (3 x 576 float16 each)
 MAX_BYTES = 256 * 2**20
 SEGMENT_GLOB = "seg-*[0-9]"
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """Hold the buffer folder's advisory lock (exclusive, across processes and across
+    buffers within one process: each open file holds its own lock)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / LOCK_FILE, "a+b") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def reply_id(text: str) -> str:
@@ -142,24 +161,37 @@ class OnlineBuffer:
 
     # -- reading ----------------------------------------------------------------------------
     def _scan(self) -> None:
-        """Index the segments on disk; damaged ones are set aside (renamed `.damaged`)."""
+        """Index the segments on disk under the folder's lock (so another process's write
+        in progress is never mistaken for a dead one's); damaged ones are set aside."""
+        if self.folder.is_dir():
+            with folder_lock(self.folder):
+                self._sync()
+
+    def _sync(self) -> None:
+        """Re-read the folder (its lock held): segments other processes wrote or dropped,
+        a dead writer's temporary folder, the next free number. Known segments keep their
+        counts, so this reads only what is new."""
+        with self._lock:
+            known = {seg.seq: seg for seg in self._segments}
+        for tmp in self.folder.glob(".seg-*.tmp"):  # a writer died mid-write
+            shutil.rmtree(tmp, ignore_errors=True)
         segments: list[Segment] = []
         seqs = [0]
-        if self.folder.is_dir():
-            for tmp in self.folder.glob(".seg-*.tmp"):  # a write the process did not finish
-                shutil.rmtree(tmp, ignore_errors=True)
-            for path in sorted(self.folder.glob(SEGMENT_GLOB)):
-                seq = _seq(path)
-                if seq is None:
-                    continue
-                seqs.append(seq)
-                try:
-                    samples = load_shard(path)
-                except EngineError as e:
-                    self._set_aside(path, str(e))
-                    continue
-                size = sum(f.stat().st_size for f in path.iterdir())
-                segments.append(Segment(seq, sum(len(s.features) for s in samples), size))
+        for path in sorted(self.folder.glob(SEGMENT_GLOB)):
+            seq = _seq(path)
+            if seq is None:
+                continue
+            seqs.append(seq)
+            if seq in known:
+                segments.append(known[seq])
+                continue
+            try:
+                samples = load_shard(path)
+            except EngineError as e:
+                self._set_aside(path, str(e))
+                continue
+            size = sum(f.stat().st_size for f in path.iterdir())
+            segments.append(Segment(seq, sum(len(s.features) for s in samples), size))
         with self._lock:
             self._segments = segments
             self._next_seq = max(seqs) + 1
@@ -196,20 +228,25 @@ class OnlineBuffer:
                     + self._pending_positions)
 
     def samples(self) -> list[Sample]:
-        """Every recorded reply (memory-mapped), oldest first; waits for pending writes.
-        A segment damaged since the scan is set aside and skipped."""
+        """Every recorded reply (memory-mapped), oldest first, including other processes'
+        writes; waits for this buffer's pending writes. A segment damaged since the scan is
+        set aside and skipped."""
         self.flush()
-        with self._lock:
-            segments = list(self._segments)
         out: list[Sample] = []
-        for seg in segments:
-            path = self.folder / _name(seg.seq)
-            try:
-                out.extend(load_shard(path))
-            except EngineError as e:
-                with self._lock:
-                    self._segments = [s for s in self._segments if s.seq != seg.seq]
-                self._set_aside(path, str(e))
+        if not self.folder.is_dir():
+            return out
+        with folder_lock(self.folder):  # no writer drops a segment while it is mapped
+            self._sync()
+            with self._lock:
+                segments = list(self._segments)
+            for seg in segments:
+                path = self.folder / _name(seg.seq)
+                try:
+                    out.extend(load_shard(path))
+                except EngineError as e:
+                    with self._lock:
+                        self._segments = [s for s in self._segments if s.seq != seg.seq]
+                    self._set_aside(path, str(e))
         return out
 
     # -- writing ----------------------------------------------------------------------------
@@ -219,13 +256,11 @@ class OnlineBuffer:
         if n == 0:
             return
         with self._lock:
-            seq = self._next_seq
-            self._next_seq += 1
             self._pending_positions += n
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="online-buffer")
             self._pending = [f for f in self._pending if not f.done()]
-            self._pending.append(self._executor.submit(self._write, seq, sample))
+            self._pending.append(self._executor.submit(self._write, sample))
 
     def flush(self) -> None:
         """Wait until every reply handed to `add` is on disk (or reported as failed)."""
@@ -240,23 +275,34 @@ class OnlineBuffer:
             self._executor.shutdown(wait=True)
             self._executor = None
 
-    def _write(self, seq: int, sample: Sample) -> None:
-        n = len(sample.features)
-        path = self.folder / _name(seq)
+    def _write(self, sample: Sample) -> None:
+        """Number, write and trim under the folder's lock, after catching up with what
+        other processes wrote (so two writers never take one number, and the cap counts
+        every writer's segments)."""
+        path = self.folder
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            save_shard(path, [sample])
-            size = sum(f.stat().st_size for f in path.iterdir())
+            with folder_lock(self.folder):
+                self._sync()
+                with self._lock:
+                    seq = self._next_seq
+                    self._next_seq += 1
+                path = self.folder / _name(seq)
+                save_shard(path, [sample])
+                size = sum(f.stat().st_size for f in path.iterdir())
+                self._keep(Segment(seq, len(sample.features), size))
         except OSError as e:
-            shutil.rmtree(path.with_name(f".{path.name}.tmp"), ignore_errors=True)
-            with self._lock:
-                self._pending_positions -= n
+            if path != self.folder:
+                shutil.rmtree(path.with_name(f".{path.name}.tmp"), ignore_errors=True)
             self.on_problem(f"online training buffer: could not write {path} ({e}); "
                             "this reply is not recorded")
-            return
+        finally:
+            with self._lock:
+                self._pending_positions -= len(sample.features)
+
+    def _keep(self, segment: Segment) -> None:
+        """Index a written segment and drop the oldest past the caps (folder lock held)."""
         with self._lock:
-            self._pending_positions -= n
-            self._segments.append(Segment(seq, n, size))
+            self._segments.append(segment)
             self._segments.sort(key=lambda s: s.seq)
             drop: list[Segment] = []
             while len(self._segments) > 1 and (

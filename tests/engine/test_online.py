@@ -10,6 +10,8 @@ and `--data history` training from the buffer instead of re-reading those replie
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -141,11 +143,63 @@ def test_buffer_is_bounded_and_drops_the_oldest(tmp_path: Path) -> None:
     buffer.flush()
     assert buffer.positions == 20  # a third segment of 10 would pass the cap
     assert [s.id for s in buffer.samples()] == ["online:4", "online:5"]
-    assert sorted(p.name for p in (tmp_path / "buf").iterdir()) == ["seg-00000005",
-                                                                    "seg-00000006"]
+    assert sorted(p.name for p in (tmp_path / "buf").glob("seg-*")) == ["seg-00000005",
+                                                                       "seg-00000006"]
     reopened = OnlineBuffer(tmp_path / "buf", max_positions=25)
     assert reopened.positions == 20 and reopened.last_seq == 6
     assert reopened.positions_since(5) == 10
+
+
+def test_two_writers_on_one_folder_share_its_numbers_and_its_cap(tmp_path: Path) -> None:
+    """The app and `chat --learn` may record into one buffer: each writer catches up with
+    the other's segments before it numbers its own, and the cap counts both. (Each buffer
+    alone numbered from its own scan: the second writer took seg-1 again and lost its
+    reply to "could not write".)"""
+    folder = tmp_path / "buf"
+    problems: list[str] = []
+    app = OnlineBuffer(folder, max_positions=35, on_problem=problems.append)
+    cli = OnlineBuffer(folder, max_positions=35, on_problem=problems.append)
+    for i in range(4):
+        (app if i % 2 == 0 else cli).add(fake(10, i))
+        app.flush()
+        cli.flush()
+    assert problems == []
+    names = sorted(p.name for p in folder.glob("seg-*"))
+    assert names == ["seg-00000002", "seg-00000003", "seg-00000004"]  # 40 > 35: one went
+    assert [s.id for s in app.samples()] == ["online:1", "online:2", "online:3"]
+    assert [s.id for s in cli.samples()] == ["online:1", "online:2", "online:3"]
+    assert app.positions == cli.positions == 30 and app.last_seq == cli.last_seq == 4
+
+
+def test_two_processes_record_into_one_buffer_at_once(tmp_path: Path) -> None:
+    """Two processes writing side by side: every reply lands under its own number."""
+    folder = tmp_path / "buf"
+    script = (
+        "import sys, time; from pathlib import Path\n"
+        "from tests.engine.test_online import fake\n"
+        "from engine.training.online import OnlineBuffer\n"
+        "problems = []\n"
+        "buf = OnlineBuffer(Path(sys.argv[1]), on_problem=problems.append)\n"
+        "first = int(sys.argv[2])\n"
+        "(Path(sys.argv[1]).parent / f'ready-{first}').touch()\n"
+        "while len(list(Path(sys.argv[1]).parent.glob('ready-*'))) < 2:\n"
+        "    time.sleep(0.01)\n"
+        "for i in range(first, first + 12):\n"
+        "    buf.add(fake(8, i))\n"
+        "    time.sleep(0.005)\n"
+        "buf.close()\n"
+        "print(len(problems), problems)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(folder), str(first)],
+                              cwd=root, stdout=subprocess.PIPE, text=True)
+             for first in (0, 100)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [o.split()[0] for o in outs] == ["0", "0"], outs
+    samples = OnlineBuffer(folder).samples()
+    assert sorted(s.id for s in samples) == sorted(
+        f"online:{i}" for first in (0, 100) for i in range(first, first + 12))
+    assert len(list(folder.glob("seg-*"))) == 24
 
 
 def test_damaged_segment_is_set_aside_with_one_line_and_the_chat_goes_on(
