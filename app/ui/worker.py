@@ -142,6 +142,7 @@ class EngineWorker(QObject):
         self._last_progress: Any = None
         self._online: tuple[tuple[str, tuple[int, ...]], Any] | None = None  # key, buffer
         self.finetune_after = FINETUNE_AFTER  # recorded positions between fine-tunes
+        self.finetune_steps: int | None = None  # steps of one fine-tune; None: the default
 
     # -- loading -------------------------------------------------------------------------
     @Slot(str)
@@ -255,7 +256,7 @@ class EngineWorker(QObject):
             return
         try:
             buffer.flush()
-            self._training = train_drafter(self._target, finetune_options(),
+            self._training = train_drafter(self._target, finetune_options(self.finetune_steps),
                                            threading.Event())
         except Exception as exc:  # noqa: BLE001 - any failure becomes a message
             self.finetune_ended.emit(None, _describe(exc))

@@ -94,9 +94,11 @@ class TrainProgress:
 FINETUNE_STEPS = 24
 
 
-def finetune_options(steps: int = FINETUNE_STEPS) -> TrainOptions:
+def finetune_options(steps: int | None = None) -> TrainOptions:
     """A short fine-tune of the existing head from the user's recorded chats: a few
-    optimizer steps from its checkpoint, one new checkpoint at the end."""
+    optimizer steps (`FINETUNE_STEPS` by default) from its checkpoint, one new checkpoint
+    at the end."""
+    steps = steps or FINETUNE_STEPS
     return TrainOptions(minutes=5.0, data="history", steps=steps, checkpoint_every=steps)
 
 

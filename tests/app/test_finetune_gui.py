@@ -86,3 +86,38 @@ def test_background_finetune_after_a_reply_only_when_enabled(qtbot, make_gui, ta
     worker.finetune_after = 1000
     send(qtbot, gui, "Short one")
     assert len(started) == 1
+
+
+def test_a_message_sent_during_the_background_finetune_is_answered_between_its_slices(
+        qtbot, make_gui, target: Path, data_dir: Path) -> None:
+    """The fine-tune pauses for a reply and then finishes its steps: it is neither a wall
+    in front of the chat nor cut short by it. The message is sent the moment the window
+    hears the fine-tune began, so the reply must come between its slices."""
+    settings = ChatSettings(target=str(target), drafter="auto", max_tokens=16,
+                            improve_drafter=True)
+    gui = make_gui(settings)
+    worker = gui.host.worker
+    worker.finetune_after = 10
+    worker.finetune_steps = 40
+    order: list[str] = []
+    ended: list[tuple] = []
+    edit = gui.window.composer.edit
+
+    def send_at_once() -> None:
+        order.append("finetune started")
+        edit.setPlainText("And another one")
+        qtbot.keyClick(edit, Qt.Key.Key_Return)
+
+    worker.finetune_started.connect(send_at_once)
+    worker.finetune_ended.connect(lambda last, error: (order.append("finetune ended"),
+                                                       ended.append((last, error))))
+    root = head_root(Path(load_model(str(target)).path))
+    steps_before = read_record(current_checkpoint(root))["steps"]
+
+    worker.generation_finished.connect(lambda rid, _f: order.append("reply"))
+    send(qtbot, gui, "Tell me a story")  # recorded; passes the threshold
+    qtbot.waitUntil(lambda: bool(ended), timeout=TIMEOUT)
+    assert order == ["reply", "finetune started", "reply", "finetune ended"]
+    last, error = ended[0]
+    assert error == "" and last.step == steps_before + 40
+    assert read_record(current_checkpoint(root))["steps"] == steps_before + 40
