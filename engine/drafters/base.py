@@ -74,7 +74,10 @@ def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
     for i in range(k):
         raw.append(logits)
         lq = log_probs(logits, sampling, [history] if want_history else None)
-        if accept == "coupled" or sampling.greedy:
+        if sampling.greedy:
+            # a one-hot row's coupled sample is its argmax: no noise over the vocabulary
+            tok = mx.argmax(lq, axis=-1).astype(mx.int32)
+        elif accept == "coupled":
             tok = sample_coupled(lq, sampling.seed, [t + i])
         else:
             tok = sample_categorical(mx.exp(lq), draft_key(sampling.seed, t + i))
