@@ -313,11 +313,15 @@ def save_shard(path: Path, samples: Sequence[Sample]) -> None:
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    for name, value in arrays.items():
-        np.save(tmp / f"{name}.npy", value)
-    (tmp / "meta.json").write_text(json.dumps(
-        [{"id": s.id, "start": s.start, "heldout": s.heldout} for s in samples]))
-    os.replace(tmp, path)
+    try:
+        for name, value in arrays.items():
+            np.save(tmp / f"{name}.npy", value)
+        (tmp / "meta.json").write_text(json.dumps(
+            [{"id": s.id, "start": s.start, "heldout": s.heldout} for s in samples]))
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # a full disk keeps no half-written shard
+        raise
 
 
 def load_shard(path: Path) -> list[Sample]:

@@ -16,6 +16,7 @@ teacher-forced. The training record counts the positions from each source.
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -207,6 +208,16 @@ def _record(target, options: TrainOptions, trainer: Trainer, data_tokens: int,
     }
 
 
+def _not_written(what: str, where: Path, error: Exception, kept: str) -> str:
+    """One line for a write that failed (most often a full disk): what, why, what is left."""
+    try:
+        free = f"{shutil.disk_usage(where).free / 2**20:,.0f} MB free there"
+    except OSError:
+        free = "free space unknown"
+    return (f"could not write {what} under {where} ({error}; {free}); {kept}. Free some "
+            "disk space and run again to continue")
+
+
 class ActiveClock:
     """Seconds spent working, not waiting: a front end that pauses the job between two
     progress reports (to write a chat reply) does not spend the job's `minutes` on it."""
@@ -288,7 +299,11 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
                                      max_new=options.max_new,
                                      temperature=options.temperature,
                                      seed=options.fit.seed * 1000 + r * 100 + n_shard)
-        save_shard(data_dir / f"shard-{n_shard:05d}", made)
+        try:
+            save_shard(data_dir / f"shard-{n_shard:05d}", made)
+        except OSError as e:
+            raise EngineError(_not_written("training data", data_dir, e,
+                                           "the data saved before is kept")) from None
         n_shard += 1
         samples.extend(made)
         n_seq, n_tok = data_stats()
@@ -328,13 +343,19 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
                         "data_tokens": n_tok, "heldout_top1": top1})
         name = f"ckpt-{trainer.step:07d}"
         staged = root / f".{name}.tmp"
-        write_head(head, staged, _record(target, options, trainer, n_tok, n_seq, top1,
-                                         history, source_positions(samples), online_seq))
-        mx.save_safetensors(str(staged / OPTIMIZER_FILE), trainer.optimizer_state())
-        (staged / TRAINER_FILE).write_text(json.dumps(
-            {"step": trainer.step, "tokens_seen": trainer.tokens_seen,
-             "fit": asdict(options.fit)}))
-        saved.append(publish_checkpoint(root, staged, name))
+        try:
+            write_head(head, staged, _record(target, options, trainer, n_tok, n_seq, top1,
+                                             history, source_positions(samples), online_seq))
+            mx.save_safetensors(str(staged / OPTIMIZER_FILE), trainer.optimizer_state())
+            (staged / TRAINER_FILE).write_text(json.dumps(
+                {"step": trainer.step, "tokens_seen": trainer.tokens_seen,
+                 "fit": asdict(options.fit)}))
+            saved.append(publish_checkpoint(root, staged, name))
+        except (OSError, RuntimeError) as e:  # MLX reports a failed write as RuntimeError
+            shutil.rmtree(staged, ignore_errors=True)
+            kept = (f"the newest complete head, {saved[-1].name}, stays in use" if saved
+                    else "no head was saved")
+            raise EngineError(_not_written("a checkpoint", root, e, kept)) from None
         return saved[-1]
 
     # ---- train

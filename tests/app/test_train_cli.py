@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import resource
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from app.cli import main
-from tests.app.test_cli import assert_one_line_error, cli
+from engine.drafters.head import default_layers
+from engine.drafters.head_io import current_checkpoint, head_root, load_head
+from engine.loading import load_model
+from tests.app.test_cli import REPO, assert_one_line_error, cli
 from tests.fixtures.tiny_models import write_tiny_model
 
 
@@ -74,3 +82,59 @@ def test_chat_learn_records_and_history_trains_from_it(tiny4: Path, tmp_path: Pa
     record = json.loads(next(data.glob("heads/*/ckpt-*/training.json")).read_text())
     assert record["sources"]["online_positions"] == int(found.group(1))
     assert record["sources"]["history_positions"] == 0
+
+
+def _train_with_file_limit(tiny4: Path, data: Path, prompts: Path, limit: int
+                           ) -> subprocess.CompletedProcess:
+    """`train-drafter` in a process whose files may not grow past `limit` bytes: its writes
+    fail in the kernel the way they do on a full disk (SIGXFSZ ignored, so as EFBIG)."""
+    def cap() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    env = {**os.environ, "UNDERSTUDY_DATA_DIR": str(data)}
+    return subprocess.run([sys.executable, "-m", "app.cli", "train-drafter", "--model",
+                           str(tiny4), "--minutes", "5", "--data", str(prompts),
+                           "--max-steps", "6"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+                          preexec_fn=cap)
+
+
+@pytest.mark.parametrize("failing", ["checkpoint", "data"])
+def test_a_full_disk_is_one_line_and_the_last_head_stays_in_use(
+        tiny4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
+    data = tmp_path / "data"
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(data))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."})
+                                 for i in range(6)))
+    assert main(["train-drafter", "--model", str(tiny4), "--minutes", "5", "--data",
+                 str(prompts), "--max-steps", "3"]) == 0
+    target = load_model(str(tiny4))
+    root = head_root(Path(target.path))
+    before = current_checkpoint(root)
+    assert before is not None and before.name == "ckpt-0000003"
+    if failing == "checkpoint":  # the data is complete: the next write is a checkpoint
+        limit = (before / "model.safetensors").stat().st_size // 2
+    else:  # new prompts to reply to: the next write is a data shard
+        prompts = tmp_path / "more.jsonl"
+        prompts.write_text("\n".join(json.dumps({"prompt": f"What about the colour {c}?"})
+                                     for c in ("red", "green", "blue", "gold", "grey")))
+        limit = min(p.stat().st_size for p in root.glob("data/shard-*/features.npy")) // 2
+
+    proc = _train_with_file_limit(tiny4, data, prompts, limit)
+
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    want = "a checkpoint" if failing == "checkpoint" else "training data"
+    assert last.startswith(f"error: could not write {want} under {root}"), last
+    assert "MB free there" in last and "run again" in last
+    if failing == "checkpoint":
+        assert "ckpt-0000003, stays in use" in last
+    assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+    assert current_checkpoint(root) == before
+    head = load_head(before, target.model)  # still whole, and the model still drafts with it
+    assert head.config.aux_layers == default_layers(target.model.n_layers)
+    assert main(["generate", "--model", str(tiny4), "--drafter", "head", "--k", "2",
+                 "--prompt", "Hello world", "--max-tokens", "8"]) == 0
