@@ -40,6 +40,7 @@ from engine.errors import EngineError
 from kernels import dispatch
 from kernels.compile import compiled_on_main_thread
 from kernels.noise import gumbel_noise as gumbel_noise  # re-exported: the coupled noise
+from kernels.noise import gumbel_noise_at as gumbel_noise_at  # re-exported with gumbel_noise
 from kernels.noise import keys_array, positions_u32
 from kernels.noise import noise_bits as noise_bits
 from kernels.verify_sampler import LOG_PROBS, SampledRows, SamplerSpec, log_softmax
@@ -355,6 +356,22 @@ def sample_coupled(logprobs: mx.array, seed: int, positions: Sequence[int] | mx.
     if pos.shape[0] != logprobs.shape[0]:
         raise ValueError(f"{pos.shape[0]} positions for {logprobs.shape[0]} rows")
     return dispatch.sample_rows(logprobs, keys_array(seed), pos, (), LOG_PROBS).tokens
+
+
+def sample_coupled_at(logprobs: mx.array, seed: int, positions: Sequence[int] | mx.array,
+                      ids: mx.array) -> mx.array:
+    """`sample_coupled` for rows over a part of the vocabulary: column j of `logprobs`
+    (N, n) is token ids[j], every other token has probability 0. Returns token ids (N,)
+    int32, the very tokens `sample_coupled` draws from the rows lifted to the whole
+    vocabulary (-inf elsewhere), with noise for the n columns only."""
+    if logprobs.ndim != 2 or ids.shape != (logprobs.shape[1],):
+        raise ValueError(f"logprobs (N, n) and ids (n,) expected, got "
+                         f"{tuple(logprobs.shape)} and {tuple(ids.shape)}")
+    noise = gumbel_noise_at(seed, positions, ids)
+    if noise.shape[0] != logprobs.shape[0]:
+        raise ValueError(f"{noise.shape[0]} positions for {logprobs.shape[0]} rows")
+    best = mx.argmax(logprobs.astype(mx.float32) + noise, axis=-1)
+    return mx.take(ids, best).astype(mx.int32)
 
 
 # --------------------------------------------------------------------------- rejection rule

@@ -88,11 +88,18 @@ def hash_bits(keys: mx.array, positions: mx.array, vocab_size: int) -> mx.array:
     b_t = fmix(a_t ^ salt) + key_a re-keys the row. Per entry: fmix(fmix(a_t + v*G2) ^ b_t);
     the second, row-keyed round keeps two rows from being shifted copies of each other.
     """
+    return hash_bits_at(keys, positions, mx.arange(vocab_size, dtype=mx.uint32))
+
+
+def hash_bits_at(keys: mx.array, positions: mx.array, ids: mx.array) -> mx.array:
+    """`hash_bits` at the vocabulary indices `ids` (n,) only: (N, n), column j equal to
+    column ids[j] of the full hash (a drafter with a small output vocabulary needs no
+    noise for the rest)."""
     key_a, key_b = keys[0], keys[1]
     row = fmix32(positions * _u32(GOLDEN) + key_b)[:, None]  # (N, 1)
     row_key = fmix32(row ^ _u32(ROW_SALT)) + key_a  # (N, 1)
-    column = mx.arange(vocab_size, dtype=mx.uint32)[None, :] * _u32(VOCAB_STEP)  # (1, V)
-    return fmix32(fmix32(row + column) ^ row_key)  # (N, V)
+    column = ids.astype(mx.uint32)[None, :] * _u32(VOCAB_STEP)  # (1, n)
+    return fmix32(fmix32(row + column) ^ row_key)  # (N, n)
 
 
 def gumbel_from_bits(bits: mx.array) -> mx.array:
@@ -115,6 +122,11 @@ def _gumbel(keys: mx.array, positions: mx.array, columns: mx.array) -> mx.array:
     return gumbel_from_bits(hash_bits(keys, positions, columns.shape[0]))
 
 
+@compiled_on_main_thread
+def _gumbel_at(keys: mx.array, positions: mx.array, ids: mx.array) -> mx.array:
+    return gumbel_from_bits(hash_bits_at(keys, positions, ids))
+
+
 def columns(vocab_size: int) -> mx.array:
     """A (V,) placeholder: only its shape is used, to carry V into compiled functions (so
     they retrace per V instead of baking one V in)."""
@@ -132,3 +144,8 @@ def gumbel_noise(seed: int, positions: Sequence[int] | mx.array, vocab_size: int
     The same (seed, t) gives bit-identical rows in any batch, order or call.
     """
     return _gumbel(keys_array(seed), positions_u32(positions), columns(vocab_size))
+
+
+def gumbel_noise_at(seed: int, positions: Sequence[int] | mx.array, ids: mx.array) -> mx.array:
+    """`gumbel_noise` at the vocabulary indices `ids` (n,) only: (N, n)."""
+    return _gumbel_at(keys_array(seed), positions_u32(positions), ids)

@@ -14,7 +14,13 @@ from typing import Protocol
 import mlx.core as mx
 
 from engine.cache import KVCache, cache_length, trim_caches
-from engine.sampling import SamplingParams, log_probs, sample_categorical, sample_coupled
+from engine.sampling import (
+    SamplingParams,
+    log_probs,
+    sample_categorical,
+    sample_coupled,
+    sample_coupled_at,
+)
 from engine.tree import DraftTree
 from engine.verify import draft_key
 
@@ -54,7 +60,8 @@ class DraftRun:
 
 def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
                  context: Sequence[int], k: int, sampling: SamplingParams,
-                 accept: str) -> DraftRun:
+                 accept: str, vocab: mx.array | None = None,
+                 lift: Callable[[mx.array], mx.array] | None = None) -> DraftRun:
     """The one autoregressive draft loop: k tokens after `context` as one lazy graph,
     evaluated once at the end.
 
@@ -64,8 +71,21 @@ def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
     drawn with the target's coupled noise at its absolute position (or, under the rejection
     rule at T > 0, from q with the position's draft key), so a draft that agrees with the
     target picks the target's own token; q is recorded for the rejection rule.
+
+    A drafter with a small output vocabulary passes logits over it, `vocab` (its columns'
+    token ids) and `lift` (its rows -> the whole vocabulary, -inf elsewhere): tokens are
+    drawn over those columns alone, with the noise of their ids, which draws the very
+    tokens the lifted rows would; q and the logits are returned lifted, lazily (only the
+    rejection rule and tree sources read them). No repetition penalty: its history holds
+    token ids, not columns.
     """
     want_history = sampling.repetition_penalty != 1.0
+    if vocab is not None and want_history:
+        raise ValueError("a repetition penalty needs logits over the whole vocabulary")
+
+    def token_ids(columns: mx.array) -> mx.array:
+        return (columns if vocab is None else mx.take(vocab, columns)).astype(mx.int32)
+
     history = list(context)
     t = len(context)
     ids: list[mx.array] = []
@@ -76,11 +96,12 @@ def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
         lq = log_probs(logits, sampling, [history] if want_history else None)
         if sampling.greedy:
             # a one-hot row's coupled sample is its argmax: no noise over the vocabulary
-            tok = mx.argmax(lq, axis=-1).astype(mx.int32)
+            tok = token_ids(mx.argmax(lq, axis=-1))
         elif accept == "coupled":
-            tok = sample_coupled(lq, sampling.seed, [t + i])
+            tok = (sample_coupled(lq, sampling.seed, [t + i]) if vocab is None
+                   else sample_coupled_at(lq, sampling.seed, [t + i], vocab))
         else:
-            tok = sample_categorical(mx.exp(lq), draft_key(sampling.seed, t + i))
+            tok = token_ids(sample_categorical(mx.exp(lq), draft_key(sampling.seed, t + i)))
         ids.append(tok)
         logqs.append(lq)
         if want_history:
@@ -89,7 +110,9 @@ def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
             logits = step(tok)
     drafted = mx.concatenate(ids)
     logq = mx.concatenate(logqs)
-    mx.eval(drafted, logq)
+    mx.eval(drafted)
+    if lift is not None:
+        logq, raw = lift(logq), [lift(r) for r in raw]
     return DraftRun(tuple(int(x) for x in drafted.tolist()), logq, tuple(raw))
 
 

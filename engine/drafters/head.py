@@ -26,7 +26,7 @@ from engine.cache import KVCache, PreallocatedKVCache
 from engine.drafters.base import Draft, draft_tokens, with_runner_ups
 from engine.models.decoder import MLP, Attention, Linear, ModelArgs
 from engine.models.taps import FeatureTap
-from engine.sampling import SamplingParams, log_probs, sample_coupled
+from engine.sampling import SamplingParams, log_probs
 
 HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"
 
@@ -258,14 +258,20 @@ class HeadDrafter:
         if self._last is None:
             return Draft(())
         out = self._last
+        # draw over the hot vocabulary itself (no lift, no noise for the other tokens),
+        # unless a repetition penalty needs rows over every token id
+        hot = sampling.repetition_penalty == 1.0
+        logits = self.head.logits if hot else self._full_logits
 
         def step(tok: mx.array) -> mx.array:
             """Feed the drawn token with the head's own output state as its hidden input."""
             nonlocal out
             out = self.head(out, tok[None], cache=self.cache)
-            return self._full_logits(out)
+            return logits(out[0])
 
-        run = draft_tokens(self._full_logits(out), step, context, k, sampling, accept)
+        run = draft_tokens(logits(out[0]), step, context, k, sampling, accept,
+                           vocab=self.head.hot_ids_mx if hot else None,
+                           lift=self.head.lift if hot else None)
         self.cache.trim(len(context) - 1)
         self._raw = list(run.logits)
         return Draft(run.ids, run.logq)
@@ -279,8 +285,8 @@ class HeadDrafter:
         return with_runner_ups(chain, self._raw, len(context), sampling, accept, extra)
 
     def _full_logits(self, out: mx.array) -> mx.array:
-        """Output state (1, 1, D) -> logits over the target's vocabulary (1, V)."""
-        return self.head.lift(self.head.logits(out[0]))
+        """Output states (1, D) -> logits over the target's vocabulary (1, V)."""
+        return self.head.lift(self.head.logits(out))
 
     def reset(self) -> None:
         self.cache.trim(0)
@@ -300,8 +306,8 @@ class HeadDrafter:
         for _ in range(reps + 1):
             t0 = time.perf_counter()
             o = self.head(hidden[:, :1], mx.zeros((1, 1), dtype=mx.int32), cache=cache)
-            lq = log_probs(self._full_logits(o), SamplingParams())
-            mx.eval(sample_coupled(lq, 0, [40]))
+            lq = log_probs(self.head.logits(o[0]), SamplingParams())
+            mx.eval(self.head.to_target(mx.argmax(lq, axis=-1)))  # as `propose` draws
             samples.append(time.perf_counter() - t0)
             cache.trim(32)
         return sorted(samples[1:])[reps // 2]

@@ -20,7 +20,7 @@ from mlx.utils import tree_flatten
 
 from engine.cache import make_caches
 from engine.decode import ChatSession, GenerateOptions
-from engine.drafters.base import RUNNER_UPS
+from engine.drafters.base import RUNNER_UPS, draft_tokens
 from engine.drafters.head import HeadConfig, HeadDrafter, HeadModel, default_layers
 from engine.drafters.head_io import (
     current_checkpoint,
@@ -318,6 +318,39 @@ def test_q_is_lifted_to_the_full_vocabulary(target: LoadedModel, trained: HeadMo
     cold = np.setdiff1d(np.arange(V), trained.hot_ids)
     assert np.all(q[:, cold] == 0.0)
     assert set(draft.ids) <= set(trained.hot_ids.tolist())
+
+
+@pytest.mark.parametrize(("temperature", "accept"), [(0.0, "coupled"), (1.5, "coupled"),
+                                                      (0.0, "rejection")])
+def test_head_draws_over_its_hot_vocabulary_the_tokens_the_lifted_rows_give(
+        target: LoadedModel, trained: HeadModel, temperature: float, accept: str) -> None:
+    """`propose` samples over the hot columns (noise for those ids only); the reference
+    lifts every step's logits to the whole vocabulary first, as drafting did before. (An
+    untrained head on the trained one's hot vocabulary: its drafts vary.)"""
+    head = init_head(target.model, trained.hot_ids, None, seed=3)
+    caches = make_caches(target.model.n_layers)
+    drafter = HeadDrafter(head, target.model, caches)
+    sampling = SamplingParams(temperature=temperature, seed=5)
+    try:
+        ids = target.tokenizer.encode_chat(USER)
+        target.model(mx.array([ids[:-1]]), cache=caches)  # the target's pass, tapped
+        drafter.commit(ids)
+        out = drafter._last
+
+        def step(tok: mx.array) -> mx.array:
+            nonlocal out
+            out = head(out, tok[None], cache=drafter.cache)
+            return head.lift(head.logits(out[0]))
+
+        assert out is not None
+        want = draft_tokens(head.lift(head.logits(out[0])), step, ids, 6, sampling, accept)
+        drafter.cache.trim(len(ids) - 1)
+        got = drafter.propose(ids, 6, sampling, accept)
+    finally:
+        drafter.detach()
+    assert got.ids == want.ids and len(set(got.ids)) > 1
+    assert got.logq is not None
+    np.testing.assert_allclose(np.array(got.logq), np.array(want.logq), atol=1e-5)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

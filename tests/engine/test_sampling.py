@@ -21,6 +21,7 @@ from engine.errors import EngineError
 from engine.sampling import (
     SamplingParams,
     gumbel_noise,
+    gumbel_noise_at,
     log_probs,
     make_greedy_one_hot,
     make_min_p,
@@ -34,6 +35,7 @@ from engine.sampling import (
     residual_distribution,
     sample_categorical,
     sample_coupled,
+    sample_coupled_at,
 )
 
 NEG_INF = -np.inf
@@ -293,6 +295,30 @@ def test_noise_rows_depend_only_on_seed_and_position() -> None:
         np.testing.assert_array_equal(np_(gumbel_noise(42, mx.array([t]), 1000))[0], full[i])
     # A larger vocabulary extends each row; the shared prefix is unchanged.
     np.testing.assert_array_equal(np_(gumbel_noise(42, [9], 1500))[0, :1000], full[1])
+
+
+def test_noise_and_coupled_samples_over_part_of_the_vocabulary_are_the_lifted_ones() -> None:
+    """A drafter with a hot vocabulary draws over its own columns with the noise of their
+    ids: the very tokens `sample_coupled` draws from its rows lifted to every token."""
+    V, rng = 3000, np.random.default_rng(0)
+    ids = np.sort(rng.choice(V, 400, replace=False)).astype(np.int32)
+    positions = [3, 17, 17, 900, 2**31 + 1]
+    full = np_(gumbel_noise(11, positions, V))
+    np.testing.assert_array_equal(np_(gumbel_noise_at(11, positions, mx.array(ids))),
+                                  full[:, ids])
+    same = 0
+    for seed in range(40):
+        logits = rng.standard_normal((len(positions), len(ids))).astype(np.float32) * 2
+        lq = mx.array(logits) - mx.logsumexp(mx.array(logits), axis=-1, keepdims=True)
+        lifted = mx.full((len(positions), V), -mx.inf)
+        lifted[:, mx.array(ids)] = lq
+        want = sample_coupled(lifted, seed, positions)
+        np.testing.assert_array_equal(np_(sample_coupled_at(lq, seed, positions,
+                                                            mx.array(ids))), np_(want))
+        # negative control: each column with its neighbour's noise draws other tokens
+        wrong = sample_coupled_at(lq, seed, positions, mx.array(np.roll(ids, 1)))
+        same += int((np_(wrong) == np_(want)).sum())
+    assert same < 0.2 * 40 * len(positions)
 
 
 def test_noise_differs_across_positions_and_seeds() -> None:
