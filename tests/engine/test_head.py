@@ -9,8 +9,10 @@ the head's, lifted to the full vocabulary with zeros outside the hot set.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlx.core as mx
@@ -301,15 +303,23 @@ def test_rejection_rule_with_head_is_identical_at_temperature_zero(
     assert got.token_ids == want.token_ids and got.stats.n_drafted > 0
 
 
-def test_q_is_lifted_to_the_full_vocabulary(target: LoadedModel, trained: HeadModel) -> None:
+@contextlib.contextmanager
+def tapped_drafter(target: LoadedModel, head: HeadModel) -> Iterator[tuple[HeadDrafter, list[int]]]:
+    """A head drafter over a fresh target cache that has read USER's prompt (the tapped pass
+    the head drafts from), and that prompt's ids; detached afterwards."""
     caches = make_caches(target.model.n_layers)
-    drafter = HeadDrafter(trained, target.model, caches)
+    drafter = HeadDrafter(head, target.model, caches)
     try:
         ids = target.tokenizer.encode_chat(USER)
         target.model(mx.array([ids[:-1]]), cache=caches)  # the target's pass, tapped
-        draft = drafter.propose(ids, 4, SamplingParams(temperature=0.8, seed=2), "rejection")
+        yield drafter, ids
     finally:
         drafter.detach()
+
+
+def test_q_is_lifted_to_the_full_vocabulary(target: LoadedModel, trained: HeadModel) -> None:
+    with tapped_drafter(target, trained) as (drafter, ids):
+        draft = drafter.propose(ids, 4, SamplingParams(temperature=0.8, seed=2), "rejection")
     assert len(draft.ids) == 4 and draft.logq is not None
     V = target.model.args.vocab_size
     q = np.exp(np.array(draft.logq))
@@ -328,12 +338,8 @@ def test_head_draws_over_its_hot_vocabulary_the_tokens_the_lifted_rows_give(
     lifts every step's logits to the whole vocabulary first, as drafting did before. (An
     untrained head on the trained one's hot vocabulary: its drafts vary.)"""
     head = init_head(target.model, trained.hot_ids, None, seed=3)
-    caches = make_caches(target.model.n_layers)
-    drafter = HeadDrafter(head, target.model, caches)
     sampling = SamplingParams(temperature=temperature, seed=5)
-    try:
-        ids = target.tokenizer.encode_chat(USER)
-        target.model(mx.array([ids[:-1]]), cache=caches)  # the target's pass, tapped
+    with tapped_drafter(target, head) as (drafter, ids):
         drafter.commit(ids)
         out = drafter._last
 
@@ -346,8 +352,6 @@ def test_head_draws_over_its_hot_vocabulary_the_tokens_the_lifted_rows_give(
         want = draft_tokens(head.lift(head.logits(out[0])), step, ids, 6, sampling, accept)
         drafter.cache.trim(len(ids) - 1)
         got = drafter.propose(ids, 6, sampling, accept)
-    finally:
-        drafter.detach()
     assert got.ids == want.ids and len(set(got.ids)) > 1
     assert got.logq is not None
     np.testing.assert_allclose(np.array(got.logq), np.array(want.logq), atol=1e-5)
@@ -358,17 +362,11 @@ def test_head_trees_add_its_runner_ups_from_the_hot_vocabulary(
         target: LoadedModel, trained: HeadModel, temperature: float) -> None:
     """The head is a tree source like the draft model: its chain plus runner-ups under the
     same noise at depths 1-2 (issue 13), never outside its hot vocabulary."""
-    caches = make_caches(target.model.n_layers)
-    drafter = HeadDrafter(trained, target.model, caches)
     sampling = SamplingParams(temperature=temperature, seed=2)
-    try:
-        ids = target.tokenizer.encode_chat(USER)
-        target.model(mx.array([ids[:-1]]), cache=caches)  # the target's pass, tapped
+    with tapped_drafter(target, trained) as (drafter, ids):
         chain = drafter.propose(ids, 4, sampling, "coupled")
         tree = drafter.propose_tree(ids, 4, 8, sampling=sampling, accept="coupled")
         refused = drafter.propose_tree(ids, 4, 8, sampling=sampling, accept="rejection")
-    finally:
-        drafter.detach()
     assert tree.parents is not None and tree.ids[:4] == chain.ids
     extra = tree.ids[4:]
     assert len(extra) == sum(RUNNER_UPS) and set(extra) <= set(trained.hot_ids.tolist())
