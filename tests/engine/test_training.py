@@ -9,6 +9,7 @@ on a fixed batch; a cancelled job must resume to the very weights of an uninterr
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 from pathlib import Path
@@ -67,16 +68,47 @@ def samples(target: LoadedModel):
                             temperature=0.0)
 
 
-def test_builtin_prompts_are_many_and_varied() -> None:
-    rows = [json.loads(line) for line in
+def _builtin_rows() -> list[dict]:
+    return [json.loads(line) for line in
             Path("resources/drafter_prompts.jsonl").read_text().splitlines()]
+
+
+def test_builtin_prompts_are_many_and_varied() -> None:
+    rows = _builtin_rows()
     assert len(rows) >= 300
-    assert {r["category"] for r in rows} >= {"chat", "advice", "explanation", "writing", "code"}
-    assert len({r["prompt"] for r in rows}) == len(rows)
+    assert len({r["prompt"].strip().lower() for r in rows}) == len(rows)
+    assert len({r["id"] for r in rows}) == len(rows)
+    categories = ["chat", "advice", "explanation", "writing", "code"]
+    assert {r["category"] for r in rows} == set(categories)
+    # categories take turns, so a short job's first replies cover every kind
+    assert [r["category"] for r in rows[:10]] == categories * 2
     got = builtin_items()
     assert len(got) == len(rows) and not any(it.teacher_forced for it in got)
     held = sum(it.heldout for it in got)
     assert 10 <= held <= 60  # about one in ten, chosen by prompt
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", text.lower()))
+
+
+def _near_copies(prompts: list[str], others: list[str], limit: float = 0.6) -> list[str]:
+    """Prompts whose word set overlaps one of `others` by Jaccard >= limit."""
+    return [p for p in prompts for o in others
+            if len(_words(p) & _words(o)) / len(_words(p) | _words(o)) >= limit]
+
+
+def test_no_builtin_prompt_is_a_bench_prompt() -> None:
+    """The bench measures prompts the head never trained on."""
+    bench = [json.loads(line)["messages"][-1]["content"] for line in
+             Path("resources/bench/prompts.jsonl").read_text().splitlines() if line.strip()]
+    assert _near_copies([r["prompt"] for r in _builtin_rows()], bench) == []
+    # negative control: the three the set once held are caught, an unrelated one is not
+    leaked = ["Write a Python function that reverses a string.",
+              "Write a function that checks if a number is prime.",
+              "Write a function that returns the Fibonacci numbers up to n."]
+    assert _near_copies(leaked + ["Write a Python decorator that times a function."],
+                        bench) == leaked
 
 
 def test_batched_generation_matches_each_reply_alone(target: LoadedModel, samples) -> None:
