@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
+from engine.bench import DEFAULT_PROMPTS, load_prompts
 from engine.cache import PreallocatedKVCache, cache_length, make_caches
 from engine.decode import ChatSession, GenerateOptions
 from engine.drafters.head_io import current_checkpoint, load_head
@@ -100,8 +101,7 @@ def _near_copies(prompts: list[str], others: list[str], limit: float = 0.6) -> l
 
 def test_no_builtin_prompt_is_a_bench_prompt() -> None:
     """The bench measures prompts the head never trained on."""
-    bench = [json.loads(line)["messages"][-1]["content"] for line in
-             Path("resources/bench/prompts.jsonl").read_text().splitlines() if line.strip()]
+    bench = [p.messages[-1]["content"] for p in load_prompts(DEFAULT_PROMPTS)]
     assert _near_copies([r["prompt"] for r in _builtin_rows()], bench) == []
     # negative control: the three the set once held are caught, an unrelated one is not
     leaked = ["Write a Python function that reverses a string.",
