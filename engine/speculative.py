@@ -41,7 +41,7 @@ from engine.events import TokenKind
 from engine.sampling import SamplingParams, log_probs
 from engine.steps import RawStep, forward, pipelined_step, sample_next
 from engine.tree import ROOT, DraftTree, TreeError, validate_tree
-from engine.tree_policy import EXTRA_NODES, TreeStats, prune_tree
+from engine.tree_policy import EXTRA_NODES, TreeStats, prune_draft
 from engine.tree_verify import (
     TreeVerdict,
     chain_for_rejection,
@@ -231,10 +231,9 @@ def speculative_steps(
         costs = getattr(policy, "costs", None)  # a scripted policy in tests has none
         if draft.parents is not None and costs is not None:
             est = policy.estimates.get(choice.estimate or "")
-            pruned = prune_tree(draft.tree, est.alpha if est else 0.5,
-                                tree_stats(policy, choice.drafter).alt.alpha,
-                                costs, costs.draft_s.get(choice.drafter or "", 0.0))
-            draft = Draft(pruned.ids, None, None if pruned.is_chain else pruned.parents)
+            draft = prune_draft(draft, est.alpha if est else 0.5,
+                                tree_stats(policy, choice.drafter), costs,
+                                costs.draft_s.get(choice.drafter or "", 0.0))
         t_drafted = time.perf_counter()
         if not draft.ids:
             # a plain step, pipelined like plain decoding: queue the next pass before
@@ -262,7 +261,7 @@ def speculative_steps(
         assert drafter is not None
         drafter.commit(context)
         if not shape.is_chain:
-            tree_stats(policy, choice.drafter).observe(shape, verdict.path)
+            tree_stats(policy, choice.drafter).observe(shape, verdict.path, draft.gaps)
         ids, kinds, probs, branches = verified_step(shape, verdict)
         t_end = time.perf_counter()
         # the acceptance estimate sees the branch the walk took: a rejection unless it

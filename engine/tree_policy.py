@@ -7,30 +7,55 @@ tree is not. Expected committed tokens are computable per node: with chain accep
 wrong, the l-th node of a branch forking at depth d adds a^(d-1) (1-a) b a^(l-1) tokens.
 `prune_tree` adds nodes in order of that gain while the expected tokens per second of the
 step still rise (a chain when no node pays). `TreeStats` learns b from verified trees.
+
+A model drafter's runner-up carries its score gap: how far below the chain's token it
+scored under the same coupled noise (at T = 0, the log-ratio of their draft
+probabilities). A close call is a likelier win than a distant one (EAGLE-2's point: the
+draft's own confidence predicts acceptance), so b is learned per gap band and the budget
+goes to the close calls at whatever depth they are. Prompt lookup has no scores: one b.
 """
 
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from engine.drafters.base import Draft
 from engine.tree import ROOT, DraftTree
 from engine.tuning import AcceptanceEstimate, CostModel, expected_tokens
 
 EXTRA_NODES = 8  # most nodes a tree may add beyond its main chain
 ALT_PRIOR = 0.35  # prior chance an alternative child is right after its sibling missed
+# score-gap bands of a runner-up (upper edges) and the prior chance it wins in each
+GAP_EDGES = (0.5, 1.5, 3.0)
+GAP_PRIORS = (0.45, 0.3, 0.15, 0.05)
+
+
+def gap_band(gap: float) -> int:
+    """Which `GAP_EDGES` band a runner-up's score gap falls in."""
+    return sum(gap >= edge for edge in GAP_EDGES)
 
 
 @dataclass
 class TreeStats:
-    """How often an alternative child was accepted where the first child was rejected."""
+    """How often an alternative child was accepted where the first child was rejected:
+    per score-gap band for runner-ups that carry a gap, one figure for those that do not."""
 
     alt: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(ALT_PRIOR))
+    by_gap: list[AcceptanceEstimate] = field(
+        default_factory=lambda: [AcceptanceEstimate(p) for p in GAP_PRIORS])
     trees: int = 0
 
-    def observe(self, tree: DraftTree, path: tuple[int, ...]) -> None:
+    def chance(self, gap: float | None) -> float:
+        """The chance an alternative child with this score gap wins where its older
+        sibling lost."""
+        return self.alt.alpha if gap is None else self.by_gap[gap_band(gap)].alpha
+
+    def observe(self, tree: DraftTree, path: tuple[int, ...],
+                gaps: Sequence[float | None] | None = None) -> None:
         """One verified tree: at each node the walk reached whose first child lost, did
-        another child win?"""
+        another child win (which one, for children with a score gap)?"""
         if tree.is_chain:
             return
         self.trees += 1
@@ -40,7 +65,11 @@ class TreeStats:
             kids = children.get(node, ())
             taken = path[depth] if depth < len(path) else None
             if len(kids) > 1 and taken != kids[0]:
-                self.alt.update(1, int(taken is not None))
+                scored = [kid for kid in kids[1:] if gaps is not None and gaps[kid] is not None]
+                for kid in scored:
+                    self.by_gap[gap_band(gaps[kid])].update(1, int(taken == kid))
+                if len(scored) < len(kids) - 1:
+                    self.alt.update(1, int(taken is not None and taken not in scored))
             if taken is None:
                 break
             node = taken
@@ -59,19 +88,42 @@ def _branches(tree: DraftTree) -> list[tuple[int, list[int]]]:
     return out
 
 
-def prune_tree(tree: DraftTree, alpha: float, alt: float, costs: CostModel | None,
-               draft_s: float = 0.0) -> DraftTree:
+def prune_tree(tree: DraftTree, alpha: float, alt: float | Sequence[float],
+               costs: CostModel | None, draft_s: float = 0.0) -> DraftTree:
     """The subtree with the best expected tokens per second: the main chain plus the
-    branch nodes that pay for their rows (a chain when none does)."""
+    branch nodes that pay for their rows (a chain when none does). `alt`: the chance an
+    alternative child wins where its older sibling lost, one for all or one per node."""
+    return subtree(tree, kept_nodes(tree, alpha, alt, costs, draft_s))
+
+
+def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel | None,
+                draft_s: float = 0.0) -> Draft:
+    """`prune_tree` for a drafter's tree, each branch priced by its score gap where it has
+    one; the kept nodes keep their gaps (for `TreeStats.observe`). q is dropped: trees
+    are verified under the coupled rule, which does not read it."""
+    tree = draft.tree
+    gaps = draft.gaps if draft.gaps and len(draft.gaps) == len(tree) else (None,) * len(tree)
+    kept = kept_nodes(tree, alpha, [stats.chance(g) for g in gaps], costs, draft_s)
+    pruned = subtree(tree, kept)
+    if pruned.is_chain:
+        return Draft(pruned.ids)
+    kept_gaps = tuple(g for i, g in enumerate(gaps) if i in kept)
+    return Draft(pruned.ids, None, pruned.parents, kept_gaps)
+
+
+def kept_nodes(tree: DraftTree, alpha: float, alt: float | Sequence[float],
+               costs: CostModel | None, draft_s: float = 0.0) -> set[int]:
+    """The nodes `prune_tree` keeps (each with its parent kept)."""
     n_main = tree.first_chain()
     if n_main == len(tree) or costs is None:
-        return tree
+        return set(range(len(tree)))
+    chances = [alt] * len(tree) if isinstance(alt, float | int) else list(alt)
     tokens = expected_tokens(alpha, n_main)
     seconds = n_main * draft_s + costs.verify(n_main + 1)
     heap: list[tuple[float, int, int, int]] = []  # (-gain, branch, position in branch, node)
     branches = _branches(tree)
     for b, (depth, nodes) in enumerate(branches):
-        reach = alpha ** (depth - 1) * (1 - alpha) * alt
+        reach = alpha ** (depth - 1) * (1 - alpha) * chances[nodes[0]]
         heapq.heappush(heap, (-reach, b, 0, nodes[0]))
     kept: set[int] = set(range(n_main))
     width = n_main + 1
@@ -89,7 +141,7 @@ def prune_tree(tree: DraftTree, alpha: float, alt: float, costs: CostModel | Non
         nodes = branches[b][1]
         if pos + 1 < len(nodes):
             heapq.heappush(heap, (neg_gain * alpha, b, pos + 1, nodes[pos + 1]))
-    return subtree(tree, kept)
+    return kept
 
 
 def subtree(tree: DraftTree, kept: set[int]) -> DraftTree:

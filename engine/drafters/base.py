@@ -7,6 +7,7 @@ committed context so it can cut its own state back (or catch up) to match.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -16,6 +17,7 @@ import mlx.core as mx
 from engine.cache import KVCache, cache_length, trim_caches
 from engine.sampling import (
     SamplingParams,
+    gumbel_noise,
     log_probs,
     sample_categorical,
     sample_coupled,
@@ -31,12 +33,15 @@ class Draft:
 
     `logq` None means the drafter is deterministic: verification treats q as one-hot.
     `parents` makes the tokens a draft tree (depth-first, `engine.tree.DraftTree`); None is
-    a chain, the degenerate tree.
+    a chain, the degenerate tree. `gaps`, per node, how far below its older sibling a
+    runner-up scored under the same noise (None for a node without a score: the chain's,
+    prompt lookup's); the tree policy prices each branch by it.
     """
 
     ids: tuple[int, ...]
     logq: mx.array | None = None
     parents: tuple[int, ...] | None = None
+    gaps: tuple[float | None, ...] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -116,48 +121,57 @@ def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
     return DraftRun(tuple(int(x) for x in drafted.tolist()), logq, tuple(raw))
 
 
-# alternatives per depth a tree may add (depth 1 gets two runner-ups, depth 2 one)
+# alternatives a tree may offer per depth (depth 1 two, depth 2 one). Deeper or wider offers
+# raised tau on tiny models, but on the demo with its head they widened passes into the
+# part of this CPU's cost curve the table prices too cheaply, and trees got slower.
 RUNNER_UPS = (2, 1)
 
 
 def with_runner_ups(chain: Draft, raw: Sequence[mx.array], n_context: int,
                     sampling: SamplingParams, accept: str, extra: int) -> Draft:
     """`chain` (drawn by `draft_tokens`, `raw` its per-depth logits) plus, within `extra`
-    nodes, the runner-ups under the same noise at depths 1..len(RUNNER_UPS) as leaves
-    beside the chain's node there (EAGLE-2 style: where the drafter's own pick is wrong,
-    its next best under the target's noise is the likeliest target choice, and a leaf
-    costs a verify row but no draft step). Coupled rule only; ids the drafter cannot
-    propose (-inf, e.g. outside a head's hot vocabulary) are never added."""
-    if extra <= 0 or accept != "coupled" or chain.logq is None or not chain.ids:
+    nodes, the runner-ups (`RUNNER_UPS` at each shallow depth) as leaves beside the chain's
+    node there.
+
+    Under the coupled rule the chain's token is the argmax of the draft's scores (log q
+    plus the position's noise); the runner-ups are the next ones, and where the draft's
+    pick is wrong they are the likeliest target choices. Each carries its gap below the
+    chain's token (EAGLE-2 style: a close call is a likely win) so the policy can price
+    it; a leaf costs a verify row but no draft step. Coupled rule only; ids the drafter
+    cannot propose (-inf, e.g. outside a head's hot vocabulary) are never added.
+    """
+    k = min(len(chain.ids), len(RUNNER_UPS))
+    if extra <= 0 or accept != "coupled" or chain.logq is None or not k:
         return chain
-    leaves: list[tuple[int, int, int]] = []  # (depth, token, logq row)
-    for depth, count in enumerate(RUNNER_UPS[: len(chain.ids)], start=1):
-        # greedy: q is one-hot, so the runner-up comes from the drafter's logits
-        row = (raw[depth - 1].astype(mx.float32) if sampling.greedy
-               else chain.logq[depth - 1 : depth])
-        taken = [chain.ids[depth - 1]]
-        for _ in range(count):
-            masked = row
-            for tok in taken:
-                masked = mx.concatenate([masked[:, :tok], mx.array([[-mx.inf]]),
-                                         masked[:, tok + 1 :]], axis=1)
-            pick = (mx.argmax(masked[0]) if sampling.greedy
-                    else sample_coupled(masked, sampling.seed, [n_context + depth - 1])[0])
-            alt = int(pick.item())
-            if alt in taken or not mx.isfinite(masked[0, alt]).item():
-                break
-            taken.append(alt)
-            leaves.append((depth, alt, depth - 1))
+    if sampling.greedy:  # q is one-hot: the runner-ups come from the drafter's logits
+        scores = mx.concatenate([r.astype(mx.float32) for r in raw[:k]])
+        scores = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+    else:
+        scores = chain.logq[:k].astype(mx.float32) + gumbel_noise(
+            sampling.seed, list(range(n_context, n_context + k)), chain.logq.shape[-1])
+    most = max(RUNNER_UPS)
+    top = mx.argpartition(-scores, most, axis=-1)[:, : most + 1]
+    picked = mx.array(chain.ids[:k])[:, None]
+    best = mx.take_along_axis(scores, picked, axis=-1)
+    gap = best - mx.take_along_axis(scores, top, axis=-1)
+    leaves: list[tuple[int, float, int]] = []  # (depth, gap, token)
+    for depth, (toks, gaps) in enumerate(zip(top.tolist(), gap.tolist(), strict=True),
+                                         start=1):
+        ranked = sorted((g, t) for g, t in zip(gaps, toks, strict=True)
+                        if t != chain.ids[depth - 1] and math.isfinite(g))
+        leaves += [(depth, max(g, 0.0), t) for g, t in ranked[: RUNNER_UPS[depth - 1]]]
     leaves = leaves[:extra]
     if not leaves:
         return chain
-    # depth-first: the chain, then the leaves from the deepest fork up
-    leaves.sort(key=lambda leaf: -leaf[0])
-    ids = [*chain.ids, *(tok for _, tok, _ in leaves)]
-    parents = [*range(-1, len(chain.ids) - 1), *(depth - 2 for depth, _, _ in leaves)]
-    rows = mx.array([*range(len(chain.ids)), *(r for _, _, r in leaves)])
+    # depth-first: the chain, then the leaves from the deepest fork up (closest call first)
+    leaves.sort(key=lambda leaf: (-leaf[0], leaf[1]))
+    n = len(chain.ids)
+    ids = [*chain.ids, *(tok for _, _, tok in leaves)]
+    parents = [*range(-1, n - 1), *(depth - 2 for depth, _, _ in leaves)]
+    rows = mx.array([*range(n), *(depth - 1 for depth, _, _ in leaves)])
     tree = DraftTree(tuple(ids), tuple(parents))
-    return Draft(tree.ids, chain.logq[rows], tree.parents)
+    return Draft(tree.ids, chain.logq[rows], tree.parents,
+                 (*(None,) * n, *(g for _, g, _ in leaves)))
 
 
 class Drafter(Protocol):

@@ -30,7 +30,7 @@ from engine.tree import (
     row_positions,
     validate_tree,
 )
-from engine.tree_policy import EXTRA_NODES, TreeStats, prune_tree
+from engine.tree_policy import ALT_PRIOR, EXTRA_NODES, TreeStats, prune_draft, prune_tree
 from engine.tree_verify import TreeVerdict, commit_path, tree_pass, verify_tree_coupled
 from engine.tuning import CostModel
 from engine.verify import verify_coupled_logits
@@ -287,6 +287,35 @@ def test_tree_stats_learn_how_often_an_alternative_wins() -> None:
     for _ in range(20):
         stats.observe(TREE, ())  # both root children lost
     assert stats.alt.alpha < before
+
+
+# chain 5 6 7; a depth-2 leaf (8) that came close and a depth-1 leaf (4) that did not
+SCORED = Draft((5, 6, 7, 8, 4), None, (-1, 0, 1, 0, -1), (None, None, None, 0.1, 5.0))
+
+
+def test_tree_stats_learn_per_gap_band() -> None:
+    stats = TreeStats()
+    close, far, unscored = stats.chance(0.1), stats.chance(5.0), stats.chance(None)
+    assert close > far  # the prior already trusts a close call more
+    for _ in range(10):
+        stats.observe(SCORED.tree, (0, 3), SCORED.gaps)  # the close call at depth 2 won
+        stats.observe(SCORED.tree, (), SCORED.gaps)  # the far one at depth 1 lost
+    assert stats.chance(0.1) > close and stats.chance(5.0) < far
+    assert stats.chance(None) == unscored  # scored leaves say nothing of prompt lookup's
+
+
+def test_prune_spends_the_budget_on_the_closest_call() -> None:
+    """One extra row pays here. Priced alike, the shallower leaf wins it; priced by their
+    gaps, the close call one level deeper beats a distant guess at depth 1."""
+    one_row = CostModel({1: 1.0, 4: 1.0, 5: 1.03, 6: 1.2, 17: 3.0})
+    alike = prune_tree(SCORED.tree, 0.5, ALT_PRIOR, one_row)
+    assert alike == DraftTree((5, 6, 7, 4), (-1, 0, 1, -1))
+    scored = prune_draft(SCORED, 0.5, TreeStats(), one_row)
+    assert scored.ids == (5, 6, 7, 8) and scored.parents == (-1, 0, 1, 0)
+    assert scored.gaps == (None, None, None, 0.1)
+    # without gaps the same draft is priced alike
+    assert prune_draft(Draft(SCORED.ids, None, SCORED.parents), 0.5, TreeStats(),
+                       one_row).ids == alike.ids
 
 
 def test_the_feature_tap_keeps_the_accepted_path_rows() -> None:

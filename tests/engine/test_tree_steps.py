@@ -12,6 +12,8 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 from engine.cache import cache_length, make_caches
@@ -20,7 +22,7 @@ from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.events import TokenKind
 from engine.loading import LoadedModel, load_model
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, log_probs, sample_coupled
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.tree import ROOT
@@ -236,6 +238,45 @@ def test_draft_model_runner_ups_keep_the_plain_text(target: LoadedModel, tmp_pat
     trees = [s for s in steps if s.branches]
     assert len(trees) == sum(1 for s in steps if s.n_drafted)  # every draft was a tree
     assert all(s.n_drafted == K + sum(RUNNER_UPS) for s in trees)
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
+                                      SamplingParams(temperature=0.8, seed=11)],
+                         ids=["T0", "T0.8"])
+def test_runner_ups_are_the_next_picks_under_the_same_noise(tmp_path: Path,
+                                                            sampling: SamplingParams) -> None:
+    """Each depth's leaves are what the draft would have drawn had its own pick (and then
+    the first runner-up) been struck out, under the same noise; their gaps say how close
+    each came, so the closer call is the first leaf."""
+    small = load_model(str(write_tiny_model(tmp_path / "d", hidden_size=32, seed=1)))
+    drafter = ModelDrafter(small.model)
+    context = list(PROMPT)
+    draft = drafter.propose_tree(context, K, sum(RUNNER_UPS), sampling=sampling)
+    assert draft.gaps is not None and draft.gaps[:K] == (None,) * K
+    tree = draft.tree
+    assert len(tree) == K + sum(RUNNER_UPS)
+    for depth, count in enumerate(RUNNER_UPS, start=1):
+        leaves = [j for j in range(K, len(tree)) if tree.depths[j] == depth]
+        chosen = [draft.ids[depth - 1]]
+        row = (drafter._raw[depth - 1] if sampling.greedy
+               else log_probs(drafter._raw[depth - 1], sampling))
+        for _ in range(count):
+            masked = row.astype(mx.float32)
+            for tok in chosen:
+                masked[:, tok] = -mx.inf
+            want = (int(mx.argmax(masked[0]).item()) if sampling.greedy else
+                    int(sample_coupled(masked, sampling.seed, [len(context) + depth - 1])[0]))
+            chosen.append(want)
+        assert [draft.ids[j] for j in leaves] == chosen[1:], f"depth {depth}"
+        gaps = [draft.gaps[j] for j in leaves]
+        assert gaps[0] >= 0.0 and gaps == sorted(gaps)
+    # at T = 0 a gap is the log-ratio of the draft's probabilities of its pick and the leaf
+    if sampling.greedy:
+        j = K  # the first leaf: the deepest fork's closest call
+        depth = tree.depths[j]
+        lp = np.array(mx.log(mx.softmax(drafter._raw[depth - 1].astype(mx.float32))))[0]
+        assert draft.gaps[j] == pytest.approx(lp[draft.ids[depth - 1]] - lp[draft.ids[j]],
+                                              abs=1e-4)
 
 
 def test_trees_off_and_the_rejection_rule_verify_chains(target: LoadedModel) -> None:
