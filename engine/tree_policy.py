@@ -88,12 +88,12 @@ def _branches(tree: DraftTree) -> list[tuple[int, list[int]]]:
     return out
 
 
-def prune_tree(tree: DraftTree, alpha: float, alt: float | Sequence[float],
-               costs: CostModel | None, draft_s: float = 0.0) -> DraftTree:
+def prune_tree(tree: DraftTree, alpha: float, alt: float, costs: CostModel | None,
+               draft_s: float = 0.0) -> DraftTree:
     """The subtree with the best expected tokens per second: the main chain plus the
-    branch nodes that pay for their rows (a chain when none does). `alt`: the chance an
-    alternative child wins where its older sibling lost, one for all or one per node."""
-    return subtree(tree, kept_nodes(tree, alpha, alt, costs, draft_s))
+    branch nodes that pay for their rows (a chain when none does), every alternative child
+    priced alike (`alt`: its chance to win where its older sibling lost)."""
+    return subtree(tree, kept_nodes(tree, alpha, [alt] * len(tree), costs, draft_s))
 
 
 def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel | None,
@@ -102,7 +102,7 @@ def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel |
     one; the kept nodes keep their gaps (for `TreeStats.observe`). q is dropped: trees
     are verified under the coupled rule, which does not read it."""
     tree = draft.tree
-    gaps = draft.gaps if draft.gaps and len(draft.gaps) == len(tree) else (None,) * len(tree)
+    gaps = draft.gaps or (None,) * len(tree)
     kept = kept_nodes(tree, alpha, [stats.chance(g) for g in gaps], costs, draft_s)
     pruned = subtree(tree, kept)
     if pruned.is_chain:
@@ -111,13 +111,13 @@ def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel |
     return Draft(pruned.ids, None, pruned.parents, kept_gaps)
 
 
-def kept_nodes(tree: DraftTree, alpha: float, alt: float | Sequence[float],
+def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
                costs: CostModel | None, draft_s: float = 0.0) -> set[int]:
-    """The nodes `prune_tree` keeps (each with its parent kept)."""
+    """The nodes worth their rows (each with its parent kept); `chances[i]`: the chance
+    node i wins where its older sibling lost (read for the first node of each branch)."""
     n_main = tree.first_chain()
     if n_main == len(tree) or costs is None:
         return set(range(len(tree)))
-    chances = [alt] * len(tree) if isinstance(alt, float | int) else list(alt)
     tokens = expected_tokens(alpha, n_main)
     seconds = n_main * draft_s + costs.verify(n_main + 1)
     heap: list[tuple[float, int, int, int]] = []  # (-gain, branch, position in branch, node)

@@ -144,8 +144,8 @@ def with_runner_ups(chain: Draft, raw: Sequence[mx.array], n_context: int,
     if extra <= 0 or accept != "coupled" or chain.logq is None or not k:
         return chain
     if sampling.greedy:  # q is one-hot: the runner-ups come from the drafter's logits
+        # (a gap between two logits of a row is their log-probability ratio: no softmax)
         scores = mx.concatenate([r.astype(mx.float32) for r in raw[:k]])
-        scores = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
     else:
         scores = chain.logq[:k].astype(mx.float32) + gumbel_noise(
             sampling.seed, list(range(n_context, n_context + k)), chain.logq.shape[-1])
@@ -154,6 +154,7 @@ def with_runner_ups(chain: Draft, raw: Sequence[mx.array], n_context: int,
     picked = mx.array(chain.ids[:k])[:, None]
     best = mx.take_along_axis(scores, picked, axis=-1)
     gap = best - mx.take_along_axis(scores, top, axis=-1)
+    mx.eval(top, gap)  # one host sync for both
     leaves: list[tuple[int, float, int]] = []  # (depth, gap, token)
     for depth, (toks, gaps) in enumerate(zip(top.tolist(), gap.tolist(), strict=True),
                                          start=1):
