@@ -42,7 +42,7 @@ from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.stopping import StopMatcher
 from engine.training.online import OnlineBuffer, OnlineRecorder
-from engine.tuning import AcceptanceEstimate, CostModel, DraftPolicy, PolicyMemory
+from engine.tuning import K_MAX, AcceptanceEstimate, CostModel, DraftPolicy, PolicyMemory
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ class GenerateOptions:
         if self.tree not in TREE_MODES:
             raise EngineError(f"tree must be one of {', '.join(TREE_MODES)}, got {self.tree!r}")
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
-                                   or self.k < 1):
-            raise EngineError(f"k must be at least 1 (or auto), got {self.k}")
+                                   or not 1 <= self.k <= K_MAX):
+            raise EngineError(f"k must be from 1 to {K_MAX} (or auto), got {self.k}")
 
 
 class ChatSession:

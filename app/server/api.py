@@ -180,7 +180,8 @@ class _Api:
             sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p,
                                       seed=req.seed)
             return GenerateOptions(max_tokens=req.max_tokens or window - n_prompt,
-                                   sampling=sampling, stop=req.stop, drafter=drafter)
+                                   sampling=sampling, stop=req.stop, drafter=drafter,
+                                   k=req.draft_k)
         except EngineError as e:
             raise ApiError(422, str(e), code="invalid_value") from None
 

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from engine.choices import DRAFTERS
+from engine.tuning import K_MAX
 
 DRAFTER_CHOICES = DRAFTERS  # the engine's list: a new drafter reaches the API with no edit here
 MAX_STOP_STRINGS = 4
@@ -88,6 +89,8 @@ class _Common(_Strict):
     stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
     drafter: Literal[DRAFTER_CHOICES] | None = None  # extension: per-request drafter
+    # extension: pin the draft length instead of letting the cost model choose it per step
+    draft_k: Annotated[StrictInt, Field(ge=1, le=K_MAX)] | None = None
 
 
 class ChatBody(_Common):
@@ -134,6 +137,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     drafter: str | None  # None: the server's default
+    draft_k: int | None = None  # None: the policy chooses each step's draft length
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -200,7 +204,7 @@ def _common(body: _Common, endpoint: str, max_tokens: int | None,
         seed=0 if body.seed is None else body.seed,
         stop=_stop(body.stop), stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        drafter=body.drafter,
+        drafter=body.drafter, draft_k=body.draft_k,
     )
 
 

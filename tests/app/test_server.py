@@ -172,19 +172,20 @@ def test_seed_determinism_and_speculation_is_lossless(client: openai.OpenAI,
     def run(drafter: str, seed: int = 11) -> tuple[str, dict]:
         reply = client.chat.completions.create(
             model=card.id, messages=[{"role": "user", "content": "the cat sat on the mat"}],
-            max_tokens=40, temperature=0.9, seed=seed, extra_body={"drafter": drafter})
+            max_tokens=40, temperature=0.9, seed=seed,
+            # a pinned draft length: under a busy machine's timings the cost model may
+            # choose plain steps throughout, and then nothing here would be speculative
+            extra_body={"drafter": drafter, "draft_k": 3})
         return reply.choices[0].message.content, ext(reply)
 
     plain, plain_stats = run("none")
     assert plain_stats["drafted"] == 0
     assert run("none")[0] == plain  # same seed, same text
     assert run("none", seed=12)[0] != plain  # negative control: the seed matters
-    drafted = 0
     for drafter in ("model", "layerskip", "auto"):
         text, stats = run(drafter)
         assert text == plain, drafter
-        drafted += stats["drafted"]
-    assert drafted > 0  # speculation really ran
+        assert stats["drafted"] > 0, drafter  # speculation really ran
 
 
 def test_follow_up_prefills_only_new_tokens(client: openai.OpenAI, card: ModelCard) -> None:
@@ -360,6 +361,8 @@ BAD_INPUT = [
      "stop"),
     ("empty stop", "/v1/chat/completions", _chat(stop=""), 422, "stop"),
     ("unknown drafter", "/v1/chat/completions", _chat(drafter="oracle"), 422, "drafter"),
+    ("draft_k beyond K_MAX", "/v1/chat/completions", _chat(draft_k=99), 422, "draft_k"),
+    ("draft_k not an int", "/v1/chat/completions", _chat(draft_k="4"), 422, "draft_k"),
     ("tools refused", "/v1/chat/completions",
      _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("n > 1 refused", "/v1/chat/completions", _chat(n=2), 400, "n"),

@@ -339,6 +339,7 @@ def test_reply_stops_at_the_context_window(tmp_path: Path) -> None:
         ({"drafter": "magic"}, "drafter"),
         ({"accept": "sometimes"}, "accept"),
         ({"k": 0}, "k"),
+        ({"k": 16}, "k must be from 1 to 15"),  # K_MAX: the longest draft the cost table prices
     ],
 )
 def test_bad_generate_options(kwargs: dict, field: str) -> None:
