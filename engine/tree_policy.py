@@ -5,8 +5,8 @@ width 1, so a second candidate at a shallow depth is often worth its row and a d
 tree is not. Expected committed tokens are computable per node: with chain acceptance a
 (per depth) and b the chance that an alternative child is right when its older sibling was
 wrong, the l-th node of a branch forking at depth d adds a^(d-1) (1-a) b a^(l-1) tokens.
-`prune_tree` adds nodes in order of that gain while the expected tokens per second of the
-step still rise (a chain when no node pays). `TreeStats` learns b from verified trees.
+`prune_tree` ranks nodes by that gain and keeps the prefix of the ranking with the most
+expected tokens per second (a chain when no prefix pays). `TreeStats` learns b from verified trees.
 
 A model drafter's runner-up carries its score gap: how far below the chain's token it
 scored under the same coupled noise (at T = 0, the log-ratio of their draft
@@ -127,21 +127,27 @@ def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
         heapq.heappush(heap, (-reach, b, 0, nodes[0]))
     kept: set[int] = set(range(n_main))
     width = n_main + 1
+    # every prefix of the gain order is priced, not only until the first row that does
+    # not pay: the cost curve has steps (a BLAS kernel's row blocking, a GPU's SIMD
+    # width), so a row that costs a step can open several that cost nothing
+    best_rate, best_width = tokens / seconds, width
+    order: list[int] = []
     while heap:
         neg_gain, b, pos, node = heapq.heappop(heap)
         parent = tree.parents[node]
         if parent != ROOT and parent not in kept:
-            continue  # forks off a branch that did not pay
-        new_tokens, new_seconds = tokens - neg_gain, seconds + costs.verify(width + 1) \
-            - costs.verify(width)
-        if new_tokens / new_seconds <= tokens / seconds:
-            break
-        tokens, seconds, width = new_tokens, new_seconds, width + 1
+            continue  # forks off a branch that was not taken
+        tokens -= neg_gain
+        seconds += costs.verify(width + 1) - costs.verify(width)
+        width += 1
         kept.add(node)
+        order.append(node)
+        if tokens / seconds > best_rate:
+            best_rate, best_width = tokens / seconds, width
         nodes = branches[b][1]
         if pos + 1 < len(nodes):
             heapq.heappush(heap, (neg_gain * alpha, b, pos + 1, nodes[pos + 1]))
-    return kept
+    return set(range(n_main)) | set(order[:best_width - n_main - 1])
 
 
 def subtree(tree: DraftTree, kept: set[int]) -> DraftTree:

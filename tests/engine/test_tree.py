@@ -278,6 +278,17 @@ def test_prune_keeps_a_tree_only_when_its_rows_pay() -> None:
     assert kept == DraftTree((5, 6, 7, 4), (-1, 0, 1, -1))
 
 
+def test_prune_looks_past_a_step_in_the_cost_curve() -> None:
+    """The first extra row costs a step (a BLAS kernel's row block) and the next ones
+    nothing: alone it does not pay, all three together do. Pricing stops at the first
+    row that does not pay would keep the chain."""
+    step = CostModel({1: 1.0, 4: 1.0, 5: 1.2, 17: 1.2})
+    assert prune_tree(TREE, 0.5, 0.5, step) == TREE
+    # negative control: the same step with rows that keep costing after it
+    steady = CostModel({1: 1.0, 4: 1.0, 5: 1.2, 17: 3.6})
+    assert prune_tree(TREE, 0.5, 0.5, steady) == DraftTree.chain(TREE.ids[:3])
+
+
 def test_tree_stats_learn_how_often_an_alternative_wins() -> None:
     stats = TreeStats()
     before = stats.alt.alpha
