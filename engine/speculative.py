@@ -213,12 +213,19 @@ def speculative_steps(
             token, prob = int(tok.item()), float(p.item())
             pending = None
             guessed = policy.observe(token)
-            context.append(token)
             # A model's choice stands, and so does prompt lookup's when it guessed this token
             # right (the copy is on: its next tokens are the draft the wait was paid for).
             # A wrong guess says the text is not being copied here: no fresh gamble — except
-            # for a cost probe, which is there to time a wide pass: it drafts afresh.
-            carried = Choice(None, 0) if guessed is False and not choice.probe else choice
+            # for a cost probe, which is there to time a wide pass: it drafts afresh, and
+            # with trees on, where another earlier match (the lookup tree's first layer)
+            # guessed it: the copy goes on from there, at the policy's fresh choice.
+            carried = choice
+            if guessed is False and not choice.probe:
+                continued_with = getattr(drafter, "continued_with", None)
+                branched = (tree_extra > 0 and continued_with is not None
+                            and continued_with(context, token))
+                carried = None if branched else Choice(None, 0)
+            context.append(token)
             yield RawStep([token], [TokenKind.TARGET], [prob],
                           verify_s=time.perf_counter() - t_start, drafter="none")
             continue

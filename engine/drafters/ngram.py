@@ -5,9 +5,9 @@ the context that occurred before predicts long runs of tokens for free. Determin
 verification treats its q as one-hot.
 
 As a tree source (`propose_tree`), the other earlier matches of the suffix (and of shorter
-suffixes) add branches where their continuations diverge from the most recent one's: an
-edited line repeated from the prompt continues either as the old line did or as the last
-edit did, and one pass checks both.
+suffixes, down to the last token alone) add branches where their continuations diverge
+from the most recent one's: an edited line repeated from the prompt continues either as
+the old line did or as the last edit did, and one pass checks both.
 """
 
 from __future__ import annotations
@@ -34,13 +34,17 @@ class NgramDrafter:
 
     min_n: int = 2
     max_n: int = 6
+    # branches may also follow matches of suffixes this short: after a single token, the
+    # prompt's other continuations of it are often the edited line's alternatives
+    branch_min_n: int = 1
     max_draft: int = 16
     name: str = "ngram"
     _ids: list[int] = field(default_factory=list, init=False, repr=False)
-    # _index[n - min_n]: n-gram -> latest start i that has a token after it (i + n < len)
+    # _index[n - lo]: n-gram -> latest start i that has a token after it (i + n < len),
+    # lo = min(min_n, branch_min_n)
     _index: list[dict[tuple[int, ...], int]] = field(default_factory=list, init=False,
                                                       repr=False)
-    # _starts[n - min_n]: n-gram -> every start with a token after it, oldest first
+    # _starts[n - lo]: n-gram -> every start with a token after it, oldest first
     _starts: list[dict[tuple[int, ...], list[int]]] = field(default_factory=list, init=False,
                                                             repr=False)
 
@@ -56,7 +60,7 @@ class NgramDrafter:
             return (), 0
         ids = self._sync(context)
         for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
-            i = self._index[n - self.min_n].get(tuple(ids[n_ctx - n :]))
+            i = self._index[n - self._lo].get(tuple(ids[n_ctx - n :]))
             if i is not None:
                 return tuple(ids[i + n : i + n + k]), n
         return (), 0
@@ -68,17 +72,22 @@ class NgramDrafter:
         if len(context) < n_old or list(context[:n_old]) != ids:
             self.reset()
             ids, n_old = self._ids, 0
+        lo = self._lo
         if not self._index:
-            self._index = [{} for _ in range(self.min_n, self.max_n + 1)]
-            self._starts = [{} for _ in range(self.min_n, self.max_n + 1)]
+            self._index = [{} for _ in range(lo, self.max_n + 1)]
+            self._starts = [{} for _ in range(lo, self.max_n + 1)]
         ids.extend(context[n_old:])
-        for j in range(max(n_old, self.min_n), len(ids)):
+        for j in range(max(n_old, lo), len(ids)):
             # token j now follows the n-grams that end just before it
-            for n in range(self.min_n, min(self.max_n, j) + 1):
+            for n in range(lo, min(self.max_n, j) + 1):
                 gram = tuple(ids[j - n : j])
-                self._index[n - self.min_n][gram] = j - n
-                self._starts[n - self.min_n].setdefault(gram, []).append(j - n)
+                self._index[n - lo][gram] = j - n
+                self._starts[n - lo].setdefault(gram, []).append(j - n)
         return ids
+
+    @property
+    def _lo(self) -> int:
+        return min(self.min_n, self.branch_min_n)
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
                 accept: str) -> Draft:
@@ -96,8 +105,8 @@ class NgramDrafter:
         tokens, parents = list(main), list(range(-1, len(main) - 1))
         kids: dict[int, dict[int, int]] = {p: {t: p + 1} for p, t in
                                            zip(parents, tokens, strict=True)}
-        for m in range(n, self.min_n - 1, -1):
-            starts = self._starts[m - self.min_n].get(tuple(ids[n_ctx - m :]), [])
+        for m in range(n, self.branch_min_n - 1, -1):
+            starts = self._starts[m - self._lo].get(tuple(ids[n_ctx - m :]), [])
             for i in reversed(starts[-ALT_SOURCES:]):
                 node = ROOT
                 for tok in ids[i + m : i + m + k]:
@@ -112,6 +121,20 @@ class NgramDrafter:
                         kids[node][tok] = child
                     node = child
         return Draft(*_depth_first(tokens, parents))
+
+    def continued_with(self, context: Sequence[int], token: int) -> bool:
+        """Whether one of the earlier matches a tree would branch from (suffixes of at
+        least `branch_min_n` tokens, the ALT_SOURCES most recent per length) was followed
+        by `token`: the lookup tree's first layer, checked against a token already known."""
+        n_ctx = len(context)
+        if n_ctx < self._lo + 1:
+            return False
+        ids = self._sync(context)
+        for m in range(min(self.max_n, n_ctx - 1), self.branch_min_n - 1, -1):
+            starts = self._starts[m - self._lo].get(tuple(ids[n_ctx - m :]), [])
+            if any(ids[i + m] == token for i in starts[-ALT_SOURCES:]):
+                return True
+        return False
 
     def commit(self, context: Sequence[int]) -> None:
         return None

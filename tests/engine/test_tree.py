@@ -267,6 +267,18 @@ def test_prompt_lookup_branches_where_earlier_matches_diverge() -> None:
     assert drafter.propose_tree([1, 2, 3, 4, 1, 2], 2, EXTRA_NODES).parents is None
 
 
+def test_prompt_lookup_branches_follow_the_last_token_alone() -> None:
+    """"1 2" occurred once (then "3 4 0"); the token "2" alone also led to "8 9 0": that
+    earlier continuation becomes a branch, though it is no match for the main chain."""
+    context = [5, 2, 8, 9, 0, 1, 2, 3, 4, 0, 1, 2]
+    tree = NgramDrafter().propose_tree(context, 3, EXTRA_NODES).tree
+    assert tree.ids == (3, 4, 0, 8, 9, 0) and tree.parents == (-1, 0, 1, -1, 3, 4)
+    # negative control: branches from two-token suffixes only
+    assert NgramDrafter(branch_min_n=2).propose_tree(context, 3, EXTRA_NODES).parents is None
+    # and the main chain still needs two tokens of match
+    assert NgramDrafter().match([5, 2, 8, 9, 0, 7, 2], 3) == ()
+
+
 def test_prune_keeps_a_tree_only_when_its_rows_pay() -> None:
     flat = CostModel({1: 1.0, 17: 1.0})  # extra rows free: every node pays
     steep = CostModel({1: 1.0, 17: 9.0})  # half a pass per extra row: none pays
@@ -342,3 +354,13 @@ def test_the_feature_tap_keeps_the_accepted_path_rows() -> None:
     assert tap.rows(0, 8)[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 7, 8]
     tap.compact(3, [0, 1])  # a chain's prefix: a plain cut
     assert tap.rows(0, tap.length)[:, 0].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_lookup_knows_which_tokens_its_other_matches_continued_with() -> None:
+    # "2" was followed by 8 (long ago) and by 3 (as "1 2", most recently)
+    context = [5, 2, 8, 9, 0, 1, 2, 3, 4, 0, 1, 2]
+    drafter = NgramDrafter()
+    assert drafter.continued_with(context, 3)  # the main match's own token
+    assert drafter.continued_with(context, 8)  # a first-layer branch's
+    assert not drafter.continued_with(context, 9)
+    assert not NgramDrafter(branch_min_n=2).continued_with(context, 8)

@@ -322,3 +322,43 @@ def test_a_good_tree_from_the_same_drafter_is_verified(target: LoadedModel,
                             AlwaysDraft("bad"))
     assert spec == plain
     assert all(s.error == "" for s in steps) and any(s.n_drafted == 3 for s in steps)
+
+
+class WrongGuesses(AlwaysDraft):
+    """Every prompt-lookup guess of the pending token is wrong (as `DraftPolicy.observe`
+    reports it)."""
+
+    def observe(self, token: int) -> bool:
+        return False
+
+
+class Continues(NgramDrafter):
+    """Prompt lookup whose other earlier matches (the tree's first layer) always, or
+    never, continued with the token the target chose."""
+
+    def __init__(self, hit: bool) -> None:
+        super().__init__(min_n=1)
+        self.hit = hit
+
+    def continued_with(self, context, token: int) -> bool:
+        return self.hit
+
+
+@pytest.mark.parametrize(("tree", "hit", "drafts"), [("auto", True, True),
+                                                      ("auto", False, False),
+                                                      ("off", True, False)])
+def test_a_wrong_guess_hit_by_another_match_keeps_copying(target: LoadedModel, tree: str,
+                                                          hit: bool, drafts: bool) -> None:
+    """After prompt lookup's guess of the pending token proves wrong, the next step is
+    plain — unless trees are on and another earlier match (a first-layer branch of the
+    lookup tree) was followed by that token: then the policy chooses afresh and drafts.
+    The text is plain decoding's either way."""
+    model, sampling = target.model, SamplingParams(temperature=0.8, seed=4)
+    plain, _ = run_steps(model, sampling)
+    spec, steps = run_steps(model, sampling, {"ngram": Continues(hit)}, WrongGuesses(),
+                            tree=tree)
+    assert spec == plain
+    drafted = [s for s in steps if s.n_drafted]
+    assert bool(drafted) is drafts
+    if drafts:  # a wrong guess leads to a draft wherever lookup matched at all
+        assert len(drafted) >= len(steps) // 4
