@@ -6,7 +6,8 @@ tree is not. Expected committed tokens are computable per node: with chain accep
 (per depth) and b the chance that an alternative child is right when its older sibling was
 wrong, the l-th node of a branch forking at depth d adds a^(d-1) (1-a) b a^(l-1) tokens.
 `prune_tree` ranks nodes by that gain and keeps the prefix of the ranking with the most
-expected tokens per second (a chain when no prefix pays). `TreeStats` learns b from verified trees.
+expected tokens per second (a chain when no prefix pays). `TreeStats` learns b from
+verified trees.
 
 A model drafter's runner-up carries its score gap: how far below the chain's token it
 scored under the same coupled noise (at T = 0, the log-ratio of their draft
@@ -130,8 +131,8 @@ def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
     # every prefix of the gain order is priced, not only until the first row that does
     # not pay: the cost curve has steps (a BLAS kernel's row blocking, a GPU's SIMD
     # width), so a row that costs a step can open several that cost nothing
-    best_rate, best_width = tokens / seconds, width
-    order: list[int] = []
+    best_rate, best_n = tokens / seconds, 0
+    order: list[int] = []  # the branch nodes in gain order
     while heap:
         neg_gain, b, pos, node = heapq.heappop(heap)
         parent = tree.parents[node]
@@ -143,11 +144,11 @@ def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
         kept.add(node)
         order.append(node)
         if tokens / seconds > best_rate:
-            best_rate, best_width = tokens / seconds, width
+            best_rate, best_n = tokens / seconds, len(order)
         nodes = branches[b][1]
         if pos + 1 < len(nodes):
             heapq.heappush(heap, (neg_gain * alpha, b, pos + 1, nodes[pos + 1]))
-    return set(range(n_main)) | set(order[:best_width - n_main - 1])
+    return set(range(n_main)) | set(order[:best_n])
 
 
 def subtree(tree: DraftTree, kept: set[int]) -> DraftTree:

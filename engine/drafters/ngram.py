@@ -12,7 +12,7 @@ the old line did or as the last edit did, and one pass checks both.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine.drafters.base import Draft
@@ -105,21 +105,19 @@ class NgramDrafter:
         tokens, parents = list(main), list(range(-1, len(main) - 1))
         kids: dict[int, dict[int, int]] = {p: {t: p + 1} for p, t in
                                            zip(parents, tokens, strict=True)}
-        for m in range(n, self.branch_min_n - 1, -1):
-            starts = self._starts[m - self._lo].get(tuple(ids[n_ctx - m :]), [])
-            for i in reversed(starts[-ALT_SOURCES:]):
-                node = ROOT
-                for tok in ids[i + m : i + m + k]:
-                    child = kids.setdefault(node, {}).get(tok)
-                    if child is None:
-                        if extra <= 0:
-                            break
-                        extra -= 1
-                        child = len(tokens)
-                        tokens.append(tok)
-                        parents.append(node)
-                        kids[node][tok] = child
-                    node = child
+        for m, i in self._branch_sources(n_ctx, n):
+            node = ROOT
+            for tok in ids[i + m : i + m + k]:
+                child = kids.setdefault(node, {}).get(tok)
+                if child is None:
+                    if extra <= 0:
+                        break
+                    extra -= 1
+                    child = len(tokens)
+                    tokens.append(tok)
+                    parents.append(node)
+                    kids[node][tok] = child
+                node = child
         return Draft(*_depth_first(tokens, parents))
 
     def continued_with(self, context: Sequence[int], token: int) -> bool:
@@ -130,11 +128,18 @@ class NgramDrafter:
         if n_ctx < self._lo + 1:
             return False
         ids = self._sync(context)
-        for m in range(min(self.max_n, n_ctx - 1), self.branch_min_n - 1, -1):
+        return any(ids[i + m] == token
+                   for m, i in self._branch_sources(n_ctx, min(self.max_n, n_ctx - 1)))
+
+    def _branch_sources(self, n_ctx: int, longest: int) -> Iterator[tuple[int, int]]:
+        """(suffix length m, start i) of the earlier matches trees branch from: suffixes
+        from `longest` down to `branch_min_n` tokens, the ALT_SOURCES most recent starts
+        of each, most recent first (the index must be synced to the context)."""
+        ids = self._ids
+        for m in range(longest, self.branch_min_n - 1, -1):
             starts = self._starts[m - self._lo].get(tuple(ids[n_ctx - m :]), [])
-            if any(ids[i + m] == token for i in starts[-ALT_SOURCES:]):
-                return True
-        return False
+            for i in reversed(starts[-ALT_SOURCES:]):
+                yield m, i
 
     def commit(self, context: Sequence[int]) -> None:
         return None
