@@ -84,21 +84,17 @@ def checked_draft(draft: Draft, vocab_size: int, k: int, accept: str, tree: str)
 
 
 def verify_step(model, caches: Sequence[KVCache], context: Sequence[int], draft: Draft,
-                sampling: SamplingParams, accept: str) -> TreeVerdict:
-    """One target pass over [last, *nodes]; returns the accepted path plus one token.
+                sampling: SamplingParams, accept: str, width: int = 0) -> TreeVerdict:
+    """One target pass over [last, *nodes] (padded to `width` rows, see `tree_pass`);
+    returns the accepted path plus one token.
 
-    The caches gain 1 + N rows after the committed ones; `commit_path` keeps the path's.
+    The caches gain the pass's rows after the committed ones; `commit_path` keeps the path's.
     """
     t0 = len(context)
     tree = draft.tree
+    logits = tree_pass(model, caches, context[-1], tree, width)  # (N + 1, V)
     if not tree.is_chain:  # coupled only (`checked_draft`)
-        logits = tree_pass(model, caches, context[-1], tree)
         return verify_tree_coupled(logits, tree, context, sampling)
-    # A draft model with a padded embedding may propose ids the target has no row for:
-    # feed a stand-in (such a draft is always rejected, so later rows are never used).
-    vocab = model.args.vocab_size
-    fed = [t if t < vocab else 0 for t in draft.ids]
-    logits = forward(model, [context[-1], *fed], caches)  # (K+1, V)
     histories = None
     if sampling.repetition_penalty != 1.0:
         base = list(context)
@@ -258,7 +254,8 @@ def speculative_steps(
                           drafter="none", error=error)
             continue
         shape = draft.tree
-        verdict = verify_step(model, caches, context, draft, sampling, accept)
+        width = costs.pad_width(len(shape) + 1) if costs is not None else len(shape) + 1
+        verdict = verify_step(model, caches, context, draft, sampling, accept, width)
         n = len(verdict.path)
         accepted = [shape.ids[j] for j in verdict.path]
         if choice.drafter != "ngram":  # a prompt-lookup draft is scored by `update`
@@ -274,8 +271,7 @@ def speculative_steps(
         # the acceptance estimate sees the branch the walk took: a rejection unless it
         # ended at a leaf
         n_branch = n if kinds[-1] is TokenKind.BONUS else n + 1
-        policy.update(choice, n_branch, n, t_end - t_drafted, len(shape) + 1,
-                      t_end - t_start, n + 1)
+        policy.update(choice, n_branch, n, t_end - t_drafted, width, t_end - t_start, n + 1)
         yield RawStep(ids, kinds, probs, n_drafted=len(shape), n_accepted=n,
                       draft_s=t_drafted - t_start, verify_s=t_end - t_drafted,
                       k=choice.k, drafter=choice.drafter or "none", branches=branches)

@@ -1,7 +1,8 @@
 """One target pass over a draft tree, the coupled walk down it, and the cache gather.
 
 The pass writes the newest token's row and every node's row after the committed rows (so
-the cache never holds more than committed length + 1 + the tree's nodes). Acceptance walks
+the cache never holds more than committed length + 1 + the tree's nodes, or the padded
+width when the cost curve says a wider pass is cheaper: `CostModel.pad_width`). Acceptance walks
 down from the root: at each depth it takes the child equal to the target's own coupled
 sample at that absolute position — the token plain decoding commits there, so the text is
 identical to plain decoding whichever branch wins. Then one gather per layer moves the
@@ -43,17 +44,30 @@ class TreeVerdict:
                    verdict.draft_probs)
 
 
-def tree_pass(model, caches: Sequence[KVCache], last: int, tree: DraftTree) -> mx.array:
+def tree_pass(model, caches: Sequence[KVCache], last: int, tree: DraftTree,
+              width: int = 0) -> mx.array:
     """Logits (1 + N, V) for [last, *nodes]: row 0 predicts depth 1, row 1 + j the child
     of node j. A chain takes the plain causal pass; a tree gets its ancestor mask and the
-    per-row positions committed length + depth."""
-    feed = mx.array([[last, *tree.ids]])
+    per-row positions committed length + depth.
+
+    `width`: run the pass this many rows wide when that is more than 1 + N
+    (`CostModel.pad_width`: a wider pass can cost less). The padding rows repeat `last`
+    after the nodes (for a tree, as more children of the root), so no node's row sees
+    them; their logits are dropped and their cache rows go with the rejected ones.
+    A chain's ids the target has no row for (a draft model's padded embedding) are fed
+    as a stand-in: such a draft is always rejected, so the rows after it are never used.
+    """
+    vocab = model.args.vocab_size
+    n_pad = max(width - 1 - len(tree), 0)
+    feed = mx.array([[last, *(t if t < vocab else 0 for t in tree.ids), *[last] * n_pad]])
+    rows = 1 + len(tree)
     if tree.is_chain:
-        return model(feed, cache=list(caches))[0]
+        return model(feed, cache=list(caches))[0][:rows]
+    padded = DraftTree(tree.ids + (last,) * n_pad, tree.parents + (ROOT,) * n_pad)
     start = cache_length(caches)
-    mask = ancestor_mask(tree, start)
-    positions = mx.array(row_positions(tree, start), dtype=mx.int32)
-    return model(feed, mask=mask, cache=list(caches), positions=positions)[0]
+    mask = ancestor_mask(padded, start)
+    positions = mx.array(row_positions(padded, start), dtype=mx.int32)
+    return model(feed, mask=mask, cache=list(caches), positions=positions)[0][:rows]
 
 
 def _row_history(context: Sequence[int], tree: DraftTree, row: int) -> list[int]:

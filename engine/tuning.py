@@ -24,6 +24,9 @@ PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
                     "ngram2": 0.1, "ngram3": 0.25, "ngram4": 0.55}
 OPTIMISTIC_ACCEPTANCE = 0.8  # a drafter that cannot pay even at this rate is never probed
 DRAFT_MARGIN = 0.15
+# a pass is padded to a wider width only when that width's pass is this much cheaper:
+# less is within the noise of a timing, and a padded pass holds more cache rows
+PAD_MARGIN = 0.05
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
 DRIFT_FRACTION = 0.3  # a timing this far off the table (either way) says the table is stale
 DRIFT_EMA = 0.05  # weight of one width-1 timing in the drift that rescales the table
@@ -62,6 +65,7 @@ class CostModel:
         # verify() for every width up to K_MAX + 1, rebuilt after a change: the policy asks
         # for the whole curve every step, and the step's host time competes with the pass
         self._curve: list[float] | None = None
+        self._pads: list[int] = []
         # widths timed live since the table was anchored (*tested*), and how many times
         self._timings: dict[int, int] = {}
         self._anchor = self.verify_s.get(1)  # the width-1 cost the table agrees with
@@ -82,7 +86,7 @@ class CostModel:
         """
         old = self.verify_s.get(width)
         if self._timings.get(width, 0) < CONFIRM_TIMINGS:
-            old = self.verify(width)  # what the table says, caps included
+            old = _table_cost(self._points(), width)  # this width's entry, caps included
             # only a cheaper pass is taken whole: a table too high keeps the policy from
             # ever timing that width again, one too low is corrected by the passes it
             # brings (and on a shared machine a single slow timing is often just load)
@@ -134,36 +138,75 @@ class CostModel:
         return any(n >= CONFIRM_TIMINGS for w, n in self._timings.items() if w >= width)
 
     def verify(self, width: int) -> float:
-        """Seconds for one target pass over `width` tokens (linear between measurements).
+        """Seconds for one target pass over `width` tokens, run at `pad_width(width)`.
 
         Never less for a wider pass: noisy timings must not make drafting look free.
         """
+        curve = self._curves()[0]
+        if 0 <= width < len(curve):
+            return curve[width]
+        return max(curve[-1], _table_cost(self._points(), width))
+
+    def pad_width(self, width: int) -> int:
+        """The width to run a pass of `width` rows at: the cheapest measured width from
+        `width` to K_MAX + 1 when it undercuts `width` itself by PAD_MARGIN, else `width`.
+
+        Why: a BLAS's small-matrix kernels block rows (OpenBLAS here: 12 rows cost ~25%
+        more than 16), so the padding rows of a wider pass are cheaper than the pass's own
+        shape. Plain steps (width 1) are never padded. The padded rows are computed and
+        then dropped with the rejected ones; the pass's timing is the padded width's.
+        """
+        pads = self._curves()[1]
+        return pads[width] if 0 <= width < len(pads) else width
+
+    def _curves(self) -> tuple[list[float], list[int]]:
+        """(price, padded width) for widths 0..K_MAX + 1: each width priced at its
+        padded width's interpolated cost, then made non-decreasing."""
         if self._curve is None:
             points = self._points()
-            self._curve = [_interpolate(points, w) for w in range(K_MAX + 2)]
-        if 0 <= width < len(self._curve):
-            return self._curve[width]
-        return _interpolate(self._points(), width)
+            raw = [_table_cost(points, w) for w in range(K_MAX + 2)]
+            pads = list(range(K_MAX + 2))
+            for w in range(2, K_MAX + 2):
+                cheapest = min(range(w, K_MAX + 2), key=lambda v: (raw[v], v))
+                if raw[cheapest] * (1 + PAD_MARGIN) < raw[w]:
+                    pads[w] = cheapest
+            curve: list[float] = []
+            for pad in pads:
+                curve.append(max(raw[pad], curve[-1]) if curve else raw[pad])
+            self._curve, self._pads = curve, pads
+        return self._curve, self._pads
 
     def table(self) -> dict[int, float]:
-        """The table as the policy prices it (caps applied): what a calibration file
-        should say after live passes corrected it."""
+        """The table as the policy prices it (caps applied, before padding): what a
+        calibration file should say after live passes corrected it."""
         return dict(self._points())
 
     def _points(self) -> list[tuple[int, float]]:
         """The (width, seconds) table, untested entries capped by the cheapest tested
-        wider one, then made non-decreasing in width."""
+        wider one. Not made monotone: a dip at a wider width is what padding uses."""
         items = sorted(self.verify_s.items())
         caps, cap = [], float("inf")
         for w, sec in reversed(items):
             if w in self._timings:
                 cap = min(cap, sec)
             caps.append(cap)
-        points: list[tuple[int, float]] = []
-        for (w, sec), cap in zip(items, reversed(caps), strict=True):
-            sec = sec if w in self._timings else min(sec, cap)
-            points.append((w, max(sec, points[-1][1]) if points else sec))
-        return points
+        return [(w, sec if w in self._timings else min(sec, cap))
+                for (w, sec), cap in zip(items, reversed(caps), strict=True)]
+
+
+def _table_cost(points: list[tuple[int, float]], width: int) -> float:
+    """A pass of exactly `width` rows by the table: interpolated, and past its widest
+    entry extrapolated from the table made non-decreasing."""
+    return _interpolate(points if width <= points[-1][0] else _rising(points), width)
+
+
+def _rising(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """`points` made non-decreasing (each at least the one before): for extrapolating
+    past the table, where a dip's slope would price wide passes near zero."""
+    out: list[tuple[int, float]] = []
+    for w, sec in points:
+        out.append((w, max(sec, out[-1][1]) if out else sec))
+    return out
 
 
 def _interpolate(points: list[tuple[int, float]], width: int) -> float:

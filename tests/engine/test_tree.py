@@ -179,6 +179,32 @@ def test_a_chain_takes_the_causal_pass(target: LoadedModel) -> None:
     assert mx.allclose(got, chain_rows(model, committed, [9, 8]), atol=1e-5).item()
 
 
+@pytest.mark.parametrize("shape", [TREE, DraftTree.chain([9, 8, 7])], ids=["tree", "chain"])
+def test_a_padded_pass_gives_the_same_rows_and_keeps_the_same_path(target: LoadedModel,
+                                                                   shape: DraftTree) -> None:
+    """Padding rows (a wider pass that costs less) change no node's row, and the gather
+    drops them with the rejected rows."""
+    model = target.model
+    committed = [3, 17, 42, 8, 99, 5, 11]
+    results = []
+    for width in (0, 1 + len(shape) + 5):
+        caches = make_caches(model.n_layers)
+        model(mx.array([committed[:-1]]), cache=caches)
+        start = cache_length(caches)
+        logits = tree_pass(model, caches, committed[-1], shape, width)
+        mx.eval(logits)
+        assert logits.shape[0] == 1 + len(shape)
+        assert cache_length(caches) == start + max(width, 1 + len(shape))
+        path = shape.path(shape.first_chain() - 1)
+        commit_path(model, caches, start, path)
+        assert cache_length(caches) == start + 1 + len(path)
+        nxt = model(mx.array([[2]]), cache=caches)[0, -1]
+        results.append((logits, nxt))
+    (plain, plain_next), (padded, padded_next) = results
+    assert mx.allclose(padded, plain, atol=1e-4).item()
+    assert mx.allclose(padded_next, plain_next, atol=1e-4).item()
+
+
 # ----------------------------------------------------------------------------- the walk
 
 

@@ -27,7 +27,7 @@ from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.tree import ROOT
 from engine.tree_policy import ALT_PRIOR
-from engine.tuning import Choice, PolicyMemory
+from engine.tuning import Choice, CostModel, PolicyMemory
 from tests.fixtures.tiny_models import write_tiny_model
 
 N_TOKENS = 40
@@ -289,6 +289,41 @@ def test_trees_off_and_the_rejection_rule_verify_chains(target: LoadedModel) -> 
         assert spec == plain
         assert not any(s.branches for s in steps)
         assert all(s.n_drafted <= K for s in steps)
+
+
+class PaddedDraft(AlwaysDraft):
+    """AlwaysDraft on a cost curve where 16 rows cost what 1 does and any width between
+    costs three times that: every pass is padded to 16 rows. Records the widths timed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.costs = CostModel({1: 1.0, 2: 3.0, 15: 3.0, 16: 1.0})
+        self.estimates: dict = {}
+        self.widths: list[int] = []
+
+    def update(self, choice, n_drafted, n_accepted, seconds=None, width=None, *args) -> None:
+        self.widths.append(width)
+
+
+# (the tiny model often settles into repeating one token, where lookup has nothing to
+# branch on: these seeds give it diverging matches)
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.8, seed=11),
+                                      SamplingParams(temperature=0.8, seed=2)],
+                         ids=["seed11", "seed2"])
+@pytest.mark.parametrize("tree", ["auto", "off"])
+def test_padded_passes_commit_exactly_the_plain_text(target: LoadedModel, tree: str,
+                                                     sampling: SamplingParams) -> None:
+    model = target.model
+    plain, _ = run_steps(model, sampling)
+    policy = PaddedDraft()
+    spec, steps = run_steps(model, sampling, {"ngram": NgramDrafter(min_n=1)}, policy,
+                            tree=tree, check_cache=True)
+    assert spec == plain
+    drafted = [s for s in steps if s.n_drafted]
+    assert drafted and any(s.branches for s in drafted) == (tree == "auto")
+    # every verify pass ran (and was timed) 16 rows wide; plain steps stayed 1 row
+    assert sorted(set(policy.widths)) == [1, 16]
+    assert policy.widths.count(16) == len(drafted)
 
 
 @pytest.mark.parametrize(("ids", "parents", "message"), [

@@ -14,6 +14,7 @@ from engine.tuning import (
     COST_EMA,
     DRIFT_FRACTION,
     K_MAX,
+    PAD_MARGIN,
     PROBE_EVERY,
     PROBE_SHARE,
     AcceptanceEstimate,
@@ -73,6 +74,37 @@ def test_cost_curve_follows_every_observed_pass() -> None:
     assert costs.verify(4) == pytest.approx(4.0 + COST_EMA * 5.0)
     assert costs.verify(2) == pytest.approx(1.0 + (3.0 + COST_EMA * 5.0) / 3)
     assert costs.verify(40) > costs.verify(16) > costs.verify(4)  # past the cached widths
+
+
+# a BLAS whose small-matrix kernels block rows by 8: 12 rows cost more than 16
+HUMP = {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.3, 12: 2.0, 16: 1.6}
+
+
+def test_a_pass_in_a_hump_of_the_curve_is_padded_to_the_cheaper_width() -> None:
+    costs = CostModel(dict(HUMP))
+    # widths 9-10 interpolate to under 1.6 * (1 + PAD_MARGIN); from 11 on 16 rows pay
+    assert [costs.pad_width(w) for w in (1, 2, 8, 9, 10, 11, 12, 15, 16)] == [
+        1, 2, 8, 9, 10, 16, 16, 16, 16]
+    assert costs.verify(8) == pytest.approx(1.3) and costs.verify(10) == pytest.approx(1.65)
+    # run at 16 rows (1.6), but never priced below a narrower pass
+    assert costs.verify(11) == costs.verify(15) == pytest.approx(1.65)
+    assert costs.verify(12) < costs.table()[12]
+    prices = [costs.verify(w) for w in range(K_MAX + 2)]
+    assert prices == sorted(prices)  # never less for a wider pass
+    assert costs.verify(24) >= costs.verify(16)  # past the table: from the rising curve
+    assert costs.table()[12] == 2.0  # the table keeps the hump it measured
+    # timings of the padded width correct its price like any other
+    costs.observe(16, 1.6)
+    costs.observe(16, 4.0)  # smoothed: 1.6 + COST_EMA * 2.4 = 2.08, above 12's 2.0
+    assert costs.verify(12) > 1.6 and costs.pad_width(12) == 12
+
+
+def test_a_dip_within_the_margin_or_below_width_one_pads_nothing() -> None:
+    """Negative controls: a wider width 3% cheaper is timing noise, and plain steps (one
+    row) are never run wider, even where the table says two rows cost less."""
+    costs = CostModel({1: 1.2, 2: 1.0, 8: 1.5, 12: 1.5 * (1 + PAD_MARGIN / 2), 16: 1.5})
+    assert costs.pad_width(1) == 1 and costs.verify(1) == 1.2
+    assert costs.pad_width(12) == 12 and costs.pad_width(8) == 8
 
 
 def test_best_k_is_large_when_acceptance_is_near_one_and_verify_is_flat() -> None:
@@ -338,7 +370,9 @@ def test_a_wide_probe_rescales_the_untested_narrower_widths_too() -> None:
     costs = CostModel(dict(STALE))
     costs.observe(2, STALE[2] * 0.9)  # within DRIFT_FRACTION: smoothed, now tested
     costs.observe(7, true_cost(7))
-    assert costs.verify(2) > 5 * TRUE[2]
+    assert costs.table()[2] > 5 * TRUE[2]
+    # (a 2-row pass is then run 3 rows wide, which the rescaled table prices far lower)
+    assert costs.pad_width(2) == 3 and costs.verify(2) == pytest.approx(costs.table()[3])
 
 
 def test_a_first_timing_above_the_table_is_smoothed_not_taken_whole() -> None:
