@@ -46,9 +46,10 @@ class CostModel:
 
     The table starts from a calibration (maybe cached from another day, another BLAS, a
     busy hour) and is corrected by every timed pass. A width timed in this process is
-    *tested*; an untested entry is never trusted above a tested wider one (a wider pass
-    does not cost less), so one live pass of a wide width caps every stale entry below
-    it, and one far below the table rescales the other untested entries. When
+    *tested*. No width is priced above a wider one, since a pass can be padded to the
+    wider width (`pad_width`), so one live pass of a wide width caps the price of every
+    stale entry below it, and one far below the table rescales the other untested
+    entries. When
     width-1 timings, which plain steps take all the time, drift (smoothed) from where the
     table was anchored by more than DRIFT_FRACTION, the whole curve is rescaled by that
     ratio and every other width counts as untested again (and gets probed: `DraftPolicy`).
@@ -86,7 +87,7 @@ class CostModel:
         """
         old = self.verify_s.get(width)
         if self._timings.get(width, 0) < CONFIRM_TIMINGS:
-            old = _table_cost(self._points(), width)  # this width's entry, caps included
+            old = _table_cost(self._points(), width)  # what the table says for this width
             # only a cheaper pass is taken whole: a table too high keeps the policy from
             # ever timing that width again, one too low is corrected by the passes it
             # brings (and on a shared machine a single slow timing is often just load)
@@ -118,9 +119,8 @@ class CostModel:
         now = self.verify_s[1]
         ratio = now / self._anchor
         self.corrections.append((1, self._anchor, now))
-        # what tested widths taught (caps on stale entries) is kept, then scaled
         self.verify_s[1] = self._anchor
-        self.verify_s = {w: sec * ratio for w, sec in self._points()}
+        self.verify_s = {w: sec * ratio for w, sec in self.verify_s.items()}
         self._anchor, self._drift = now, 0.0
         self._timings = {1: 1}
 
@@ -177,21 +177,14 @@ class CostModel:
         return self._curve, self._pads
 
     def table(self) -> dict[int, float]:
-        """The table as the policy prices it (caps applied, before padding): what a
-        calibration file should say after live passes corrected it."""
+        """The table before padding: what a calibration file should say after live passes
+        corrected it."""
         return dict(self._points())
 
     def _points(self) -> list[tuple[int, float]]:
-        """The (width, seconds) table, untested entries capped by the cheapest tested
-        wider one. Not made monotone: a dip at a wider width is what padding uses."""
-        items = sorted(self.verify_s.items())
-        caps, cap = [], float("inf")
-        for w, sec in reversed(items):
-            if w in self._timings:
-                cap = min(cap, sec)
-            caps.append(cap)
-        return [(w, sec if w in self._timings else min(sec, cap))
-                for (w, sec), cap in zip(items, reversed(caps), strict=True)]
+        """The (width, seconds) table, sorted. Not made monotone: a dip at a wider width is
+        what padding uses, and it prices every narrower width at most at the dip."""
+        return sorted(self.verify_s.items())
 
 
 def _table_cost(points: list[tuple[int, float]], width: int) -> float:
