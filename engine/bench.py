@@ -21,6 +21,7 @@ from engine.drafters.head_io import head_for_drafter
 from engine.errors import EngineError
 from engine.events import Finished, Stats
 from engine.sampling import SamplingParams
+from engine.tuning import K_MAX, CostModel
 from engine.turns import take_turns
 from resources import resource_path
 
@@ -297,6 +298,22 @@ def describe_corrections(corrections: Sequence[tuple[int, float, float]],
     return "cost table corrected by live passes: " + ", ".join(parts) + more
 
 
+def describe_padding(costs: CostModel) -> str | None:
+    """One line naming the pass widths run wider because the wider pass costs less here
+    (`CostModel.pad_width`), or None: it explains a speedup that a width's own timing
+    would not, and tells the user the padding is on."""
+    runs: dict[int, list[int]] = {}
+    for width in range(2, K_MAX + 2):
+        pad = costs.pad_width(width)
+        if pad != width:
+            runs.setdefault(pad, []).append(width)
+    if not runs:
+        return None
+    parts = [f"{ws[0]}-{ws[-1]} rows as {pad}" if ws == list(range(ws[0], ws[-1] + 1))
+             else f"{', '.join(map(str, ws))} rows as {pad}" for pad, ws in sorted(runs.items())]
+    return "passes padded where a wider one costs less: " + ", ".join(parts)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """`understudy bench`: print a table, optionally write the JSON report."""
     from engine.loading import load_model
@@ -338,6 +355,9 @@ def run_cli(args: argparse.Namespace) -> int:
               f"x{_fmt(o['plain_vs_mlx_lm'], '.2f')}")
     if session.costs is not None and session.costs.corrections:
         print(describe_corrections(session.costs.corrections), file=sys.stderr)
+    padding = describe_padding(session.costs) if session.costs is not None else None
+    if padding:
+        print(padding, file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0

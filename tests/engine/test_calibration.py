@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench import describe_corrections
+from engine.bench import describe_corrections, describe_padding
 from engine.calibration import (
     CALIBRATION_FORMAT,
     CALIBRATION_WIDTHS,
@@ -171,6 +171,12 @@ def test_the_bench_says_how_live_passes_corrected_the_table() -> None:
     assert line == ("cost table corrected by live passes: width 16: 2.030 s -> 0.205 s, "
                     "width 1: 0.180 s -> 0.250 s")
     assert describe_corrections([(2, 1.0, 0.1)] * 8, shown=6).endswith("(+2 more)")
+
+
+def test_the_bench_names_the_widths_it_pads() -> None:
+    hump = CostModel({1: 1.0, 8: 1.3, 12: 2.0, 16: 1.6})
+    assert describe_padding(hump) == "passes padded where a wider one costs less: 11-15 rows as 16"
+    assert describe_padding(CostModel({1: 1.0, 8: 1.3, 16: 1.6})) is None  # a rising curve
 
 
 def test_a_reply_writes_live_corrections_back_to_the_file(
