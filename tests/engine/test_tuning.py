@@ -99,6 +99,20 @@ def test_a_pass_in_a_hump_of_the_curve_is_padded_to_the_cheaper_width() -> None:
     assert costs.verify(12) > 1.6 and costs.pad_width(12) == 12
 
 
+def test_a_flattened_table_from_before_padding_learns_the_hump_from_live_passes() -> None:
+    """calibration.json files written before padding hold the curve made non-decreasing
+    (12 priced like 16): the passes at 12 rows that table still runs unpadded show the
+    hump, and from then on they are run 16 rows wide."""
+    costs = CostModel({1: 1.0, 8: 1.3, 12: 1.6, 16: 1.6})
+    assert costs.pad_width(12) == 12
+    costs.observe(16, 1.6)
+    timings = 0
+    while costs.pad_width(12) == 12 and timings < 10:
+        costs.observe(12, 2.0)
+        timings += 1
+    assert costs.pad_width(12) == 16 and timings == 2
+
+
 def test_a_dip_within_the_margin_or_below_width_one_pads_nothing() -> None:
     """Negative controls: a wider width 3% cheaper is timing noise, and plain steps (one
     row) are never run wider, even where the table says two rows cost less."""
