@@ -254,7 +254,10 @@ def speculative_steps(
                           drafter="none", error=error)
             continue
         shape = draft.tree
-        width = costs.pad_width(len(shape) + 1) if costs is not None else len(shape) + 1
+        width = len(shape) + 1
+        if costs is not None:
+            # padding rows stay within the rows a tree of this K may take
+            width = costs.pad_width(width, 1 + choice.k + EXTRA_NODES)
         verdict = verify_step(model, caches, context, draft, sampling, accept, width)
         n = len(verdict.path)
         accepted = [shape.ids[j] for j in verdict.path]

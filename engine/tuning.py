@@ -147,9 +147,10 @@ class CostModel:
             return curve[width]
         return max(curve[-1], _table_cost(self._points(), width))
 
-    def pad_width(self, width: int) -> int:
+    def pad_width(self, width: int, limit: int = K_MAX + 1) -> int:
         """The width to run a pass of `width` rows at: the cheapest measured width from
-        `width` to K_MAX + 1 when it undercuts `width` itself by PAD_MARGIN, else `width`.
+        `width` to K_MAX + 1 when it undercuts `width` itself by PAD_MARGIN and stays
+        within `limit` rows (the step's row budget), else `width`.
 
         Why: a BLAS's small-matrix kernels block rows (OpenBLAS here: 12 rows cost ~25%
         more than 16), so the padding rows of a wider pass are cheaper than the pass's own
@@ -157,7 +158,8 @@ class CostModel:
         then dropped with the rejected ones; the pass's timing is the padded width's.
         """
         pads = self._curves()[1]
-        return pads[width] if 0 <= width < len(pads) else width
+        pad = pads[width] if 0 <= width < len(pads) else width
+        return pad if pad <= limit else width
 
     def _curves(self) -> tuple[list[float], list[int]]:
         """(price, padded width) for widths 0..K_MAX + 1: each width priced at its

@@ -26,7 +26,7 @@ from engine.sampling import SamplingParams, log_probs, sample_coupled
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.tree import ROOT
-from engine.tree_policy import ALT_PRIOR
+from engine.tree_policy import ALT_PRIOR, EXTRA_NODES
 from engine.tuning import Choice, CostModel, PolicyMemory
 from tests.fixtures.tiny_models import write_tiny_model
 
@@ -292,12 +292,12 @@ def test_trees_off_and_the_rejection_rule_verify_chains(target: LoadedModel) -> 
 
 
 class PaddedDraft(AlwaysDraft):
-    """AlwaysDraft on a cost curve where 16 rows cost what 1 does and any width between
-    costs three times that: every pass is padded to 16 rows. Records the widths timed."""
+    """AlwaysDraft on a cost curve where `dip` rows cost what 1 does and any width between
+    costs three times that. Records the widths its passes were timed at."""
 
-    def __init__(self) -> None:
+    def __init__(self, dip: int) -> None:
         super().__init__()
-        self.costs = CostModel({1: 1.0, 2: 3.0, 15: 3.0, 16: 1.0})
+        self.costs = CostModel({1: 1.0, 2: 3.0, dip - 1: 3.0, dip: 1.0})
         self.estimates: dict = {}
         self.widths: list[int] = []
 
@@ -315,15 +315,20 @@ def test_padded_passes_commit_exactly_the_plain_text(target: LoadedModel, tree: 
                                                      sampling: SamplingParams) -> None:
     model = target.model
     plain, _ = run_steps(model, sampling)
-    policy = PaddedDraft()
-    spec, steps = run_steps(model, sampling, {"ngram": NgramDrafter(min_n=1)}, policy,
-                            tree=tree, check_cache=True)
-    assert spec == plain
-    drafted = [s for s in steps if s.n_drafted]
-    assert drafted and any(s.branches for s in drafted) == (tree == "auto")
-    # every verify pass ran (and was timed) 16 rows wide; plain steps stayed 1 row
-    assert sorted(set(policy.widths)) == [1, 16]
-    assert policy.widths.count(16) == len(drafted)
+    budget = 1 + K + EXTRA_NODES  # the most rows a step with K drafts may take
+    for dip, padded in ((budget, True), (budget + 1, False)):
+        policy = PaddedDraft(dip)
+        spec, steps = run_steps(model, sampling, {"ngram": NgramDrafter(min_n=1)}, policy,
+                                tree=tree, check_cache=True)
+        assert spec == plain
+        drafted = [s for s in steps if s.n_drafted]
+        assert drafted and any(s.branches for s in drafted) == (tree == "auto")
+        verify_widths = [w for w in policy.widths if w != 1]
+        assert len(verify_widths) == len(drafted)
+        if padded:  # every verify pass ran (and was timed) `budget` rows wide
+            assert set(verify_widths) == {budget}
+        else:  # a cheaper width past the budget is not used: each pass keeps its rows
+            assert verify_widths == [s.n_drafted + 1 for s in drafted]
 
 
 @pytest.mark.parametrize(("ids", "parents", "message"), [

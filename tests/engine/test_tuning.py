@@ -93,6 +93,8 @@ def test_a_pass_in_a_hump_of_the_curve_is_padded_to_the_cheaper_width() -> None:
     assert prices == sorted(prices)  # never less for a wider pass
     assert costs.verify(24) >= costs.verify(16)  # past the table: from the rising curve
     assert costs.table()[12] == 2.0  # the table keeps the hump it measured
+    # a step's row budget bounds the padding (verify-pass memory)
+    assert costs.pad_width(12, limit=15) == 12 and costs.pad_width(12, limit=16) == 16
     # timings of the padded width correct its price like any other
     costs.observe(16, 1.6)
     costs.observe(16, 4.0)  # smoothed: 1.6 + COST_EMA * 2.4 = 2.08, above 12's 2.0
