@@ -3,11 +3,10 @@
 The pass writes the newest token's row and every node's row after the committed rows (so
 the cache never holds more than committed length + 1 + the tree's nodes, or the padded
 width, within the same budget, where a wider pass is cheaper: `CostModel.pad_width`).
-Acceptance walks
-down from the root: at each depth it takes the child equal to the target's own coupled
-sample at that absolute position — the token plain decoding commits there, so the text is
-identical to plain decoding whichever branch wins. Then one gather per layer moves the
-accepted path's rows into place and sets the length: no second pass, no restore.
+Acceptance walks down from the root: at each depth it takes the child equal to the target's
+own coupled sample at that absolute position — the token plain decoding commits there, so
+the text is identical to plain decoding whichever branch wins. Then one gather per layer
+moves the accepted path's rows into place and sets the length: no second pass, no restore.
 
 The rejection rule is verified on chains only: a tree under it is cut to its first chain
 before the pass (`chain_for_rejection`). Recursive multi-candidate rejection (SpecInfer)
