@@ -63,7 +63,8 @@ def tree_pass(model, caches: Sequence[KVCache], last: int, tree: DraftTree,
     rows = 1 + len(tree)
     if tree.is_chain:
         return model(feed, cache=list(caches))[0][:rows]
-    padded = DraftTree(tree.ids + (last,) * n_pad, tree.parents + (ROOT,) * n_pad)
+    padded = (DraftTree(tree.ids + (last,) * n_pad, tree.parents + (ROOT,) * n_pad)
+              if n_pad else tree)
     start = cache_length(caches)
     mask = ancestor_mask(padded, start)
     positions = mx.array(row_positions(padded, start), dtype=mx.int32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # tree_policy builds on this module
@@ -49,10 +50,10 @@ class CostModel:
     *tested*. No width is priced above a wider one, since a pass can be padded to the
     wider width (`pad_width`), so one live pass of a wide width caps the price of every
     stale entry below it, and one far below the table rescales the other untested
-    entries. When
-    width-1 timings, which plain steps take all the time, drift (smoothed) from where the
-    table was anchored by more than DRIFT_FRACTION, the whole curve is rescaled by that
-    ratio and every other width counts as untested again (and gets probed: `DraftPolicy`).
+    entries. When width-1 timings, which plain steps take all the time, drift (smoothed)
+    from where the table was anchored by more than DRIFT_FRACTION, the whole curve is
+    rescaled by that ratio and every other width counts as untested again (and gets
+    probed: `DraftPolicy`).
     """
 
     verify_s: dict[int, float]
@@ -168,14 +169,14 @@ class CostModel:
             points = self._points()
             raw = [_table_cost(points, w) for w in range(K_MAX + 2)]
             pads = list(range(K_MAX + 2))
-            for w in range(2, K_MAX + 2):
-                cheapest = min(range(w, K_MAX + 2), key=lambda v: (raw[v], v))
+            cheapest = K_MAX + 1  # the narrowest of the cheapest widths from w up
+            for w in range(K_MAX + 1, 1, -1):
+                if raw[w] <= raw[cheapest]:
+                    cheapest = w
                 if raw[cheapest] * (1 + PAD_MARGIN) < raw[w]:
                     pads[w] = cheapest
-            curve: list[float] = []
-            for pad in pads:
-                curve.append(max(raw[pad], curve[-1]) if curve else raw[pad])
-            self._curve, self._pads = curve, pads
+            self._curve = list(accumulate((raw[pad] for pad in pads), max))
+            self._pads = pads
         return self._curve, self._pads
 
     def table(self) -> dict[int, float]:
@@ -198,10 +199,8 @@ def _table_cost(points: list[tuple[int, float]], width: int) -> float:
 def _rising(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """`points` made non-decreasing (each at least the one before): for extrapolating
     past the table, where a dip's slope would price wide passes near zero."""
-    out: list[tuple[int, float]] = []
-    for w, sec in points:
-        out.append((w, max(sec, out[-1][1]) if out else sec))
-    return out
+    highest = accumulate((sec for _, sec in points), max)
+    return [(w, sec) for (w, _), sec in zip(points, highest, strict=True)]
 
 
 def _interpolate(points: list[tuple[int, float]], width: int) -> float:
