@@ -27,11 +27,15 @@ from mlx.utils import tree_flatten
 
 from engine.cache import make_caches
 from engine.paths import cache_dir
-from engine.tuning import CostModel
+from engine.tree_policy import row_budget
+from engine.tuning import K_MAX, CostModel
 
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT = 2  # 1: unversioned entries keyed without BLAS, device or dtypes
-CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16)
+# up to the widest verify pass a step may run (a K_MAX chain with a full tree's extra
+# nodes): past the table a width is extrapolated, and the curve keeps rising past 16 rows
+# here (20 rows 1.3x, 24 rows 1.5x the 16-row pass)
+CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, row_budget(K_MAX))
 BLAS_NAMES = ("blas", "mkl", "blis", "accelerate")  # file names that give a BLAS away
 # numpy's and scipy's own OpenBLAS builds export suffixed symbols (`dgemm_64_`), so they
 # never serve MLX; whether numpy was imported first must not split the cache

@@ -41,7 +41,7 @@ from engine.events import TokenKind
 from engine.sampling import SamplingParams, log_probs
 from engine.steps import RawStep, forward, pipelined_step, sample_next
 from engine.tree import ROOT, DraftTree, TreeError, validate_tree
-from engine.tree_policy import EXTRA_NODES, TreeStats, prune_draft
+from engine.tree_policy import EXTRA_NODES, TreeStats, prune_draft, row_budget
 from engine.tree_verify import (
     TreeVerdict,
     chain_for_rejection,
@@ -236,7 +236,8 @@ def speculative_steps(
             est = policy.estimates.get(choice.estimate or "")
             draft = prune_draft(draft, est.alpha if est else 0.5,
                                 tree_stats(policy, choice.drafter), costs,
-                                costs.draft_s.get(choice.drafter or "", 0.0))
+                                costs.draft_s.get(choice.drafter or "", 0.0),
+                                row_budget(choice.k))
         t_drafted = time.perf_counter()
         if not draft.ids:
             # a plain step, pipelined like plain decoding: queue the next pass before
@@ -257,7 +258,7 @@ def speculative_steps(
         width = len(shape) + 1
         if costs is not None:
             # padding rows stay within the rows a tree of this K may take
-            width = costs.pad_width(width, 1 + choice.k + EXTRA_NODES)
+            width = costs.pad_width(width, row_budget(choice.k))
         verdict = verify_step(model, caches, context, draft, sampling, accept, width)
         n = len(verdict.path)
         accepted = [shape.ids[j] for j in verdict.path]

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 from engine.drafters.base import Draft
 from engine.tree import ROOT, DraftTree
-from engine.tuning import AcceptanceEstimate, CostModel, expected_tokens
+from engine.tuning import K_MAX, AcceptanceEstimate, CostModel, expected_tokens
 
 EXTRA_NODES = 8  # most nodes a tree may add beyond its main chain
 ALT_PRIOR = 0.35  # prior chance an alternative child is right after its sibling missed
@@ -89,22 +89,29 @@ def _branches(tree: DraftTree) -> list[tuple[int, list[int]]]:
     return out
 
 
+def row_budget(k: int) -> int:
+    """The most rows a verify pass of a K-token draft may take, padding included: the
+    pending token, the K-deep main chain and EXTRA_NODES branch nodes."""
+    return 1 + k + EXTRA_NODES
+
+
 def prune_tree(tree: DraftTree, alpha: float, alt: float, costs: CostModel | None,
-               draft_s: float = 0.0) -> DraftTree:
+               draft_s: float = 0.0, limit: int = K_MAX + 1) -> DraftTree:
     """The subtree with the best expected tokens per second: the main chain plus the
     branch nodes that pay for their rows (a chain when none does), every alternative child
-    priced alike (`alt`: its chance to win where its older sibling lost)."""
-    return subtree(tree, kept_nodes(tree, alpha, [alt] * len(tree), costs, draft_s))
+    priced alike (`alt`: its chance to win where its older sibling lost). Widths are
+    priced as they will run under a row budget of `limit` (`CostModel.verify`)."""
+    return subtree(tree, kept_nodes(tree, alpha, [alt] * len(tree), costs, draft_s, limit))
 
 
 def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel | None,
-                draft_s: float = 0.0) -> Draft:
+                draft_s: float = 0.0, limit: int = K_MAX + 1) -> Draft:
     """`prune_tree` for a drafter's tree, each branch priced by its score gap where it has
     one; the kept nodes keep their gaps (for `TreeStats.observe`). q is dropped: trees
     are verified under the coupled rule, which does not read it."""
     tree = draft.tree
     gaps = draft.gaps or (None,) * len(tree)
-    kept = kept_nodes(tree, alpha, [stats.chance(g) for g in gaps], costs, draft_s)
+    kept = kept_nodes(tree, alpha, [stats.chance(g) for g in gaps], costs, draft_s, limit)
     pruned = subtree(tree, kept)
     if pruned.is_chain:
         return Draft(pruned.ids)
@@ -113,14 +120,15 @@ def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel |
 
 
 def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
-               costs: CostModel | None, draft_s: float = 0.0) -> set[int]:
+               costs: CostModel | None, draft_s: float = 0.0,
+               limit: int = K_MAX + 1) -> set[int]:
     """The nodes worth their rows (each with its parent kept); `chances[i]`: the chance
     node i wins where its older sibling lost (read for the first node of each branch)."""
     n_main = tree.first_chain()
     if n_main == len(tree) or costs is None:
         return set(range(len(tree)))
     tokens = expected_tokens(alpha, n_main)
-    seconds = n_main * draft_s + costs.verify(n_main + 1)
+    seconds = n_main * draft_s + costs.verify(n_main + 1, limit)
     heap: list[tuple[float, int, int, int]] = []  # (-gain, branch, position in branch, node)
     branches = _branches(tree)
     for b, (depth, nodes) in enumerate(branches):
@@ -139,7 +147,7 @@ def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
         if parent != ROOT and parent not in kept:
             continue  # forks off a branch that was not taken
         tokens -= neg_gain
-        seconds += costs.verify(width + 1) - costs.verify(width)
+        seconds += costs.verify(width + 1, limit) - costs.verify(width, limit)
         width += 1
         kept.add(node)
         order.append(node)

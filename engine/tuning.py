@@ -64,10 +64,10 @@ class CostModel:
     overlap_s: float = 0.0
 
     def __post_init__(self) -> None:
-        # verify() for every width up to K_MAX + 1, rebuilt after a change: the policy asks
-        # for the whole curve every step, and the step's host time competes with the pass
-        self._curve: list[float] | None = None
-        self._pads: list[int] = []
+        # verify() for every width up to K_MAX + 1, per row budget, rebuilt after a change:
+        # the policy asks for the whole curve every step, and the step's host time competes
+        # with the pass
+        self._curves_by_limit: dict[int, tuple[list[float], list[int]]] = {}
         # widths timed live since the table was anchored (*tested*), and how many times
         self._timings: dict[int, int] = {}
         self._anchor = self.verify_s.get(1)  # the width-1 cost the table agrees with
@@ -103,7 +103,7 @@ class CostModel:
         self._timings[width] = self._timings.get(width, 0) + 1
         if width == 1:
             self._check_anchor(seconds)
-        self._curve = None
+        self._curves_by_limit.clear()
 
     def _check_anchor(self, seconds: float) -> None:
         """Rescale the curve when width-1 timings have drifted from the table's anchor.
@@ -138,46 +138,50 @@ class CostModel:
         """
         return any(n >= CONFIRM_TIMINGS for w, n in self._timings.items() if w >= width)
 
-    def verify(self, width: int) -> float:
-        """Seconds for one target pass over `width` tokens, run at `pad_width(width)`.
+    def verify(self, width: int, limit: int = K_MAX + 1) -> float:
+        """Seconds for one target pass over `width` tokens, run at `pad_width(width,
+        limit)`: a step whose row budget (`limit`) forbids the cheaper wider pass pays
+        for its own width.
 
         Never less for a wider pass: noisy timings must not make drafting look free.
         """
-        curve = self._curves()[0]
+        curve = self._curves(limit)[0]
         if 0 <= width < len(curve):
             return curve[width]
         return max(curve[-1], _table_cost(self._points(), width))
 
     def pad_width(self, width: int, limit: int = K_MAX + 1) -> int:
         """The width to run a pass of `width` rows at: the cheapest measured width from
-        `width` to K_MAX + 1 when it undercuts `width` itself by PAD_MARGIN and stays
-        within `limit` rows (the step's row budget), else `width`.
+        `width` to `limit` rows (the step's row budget, at most K_MAX + 1) when it
+        undercuts `width` itself by PAD_MARGIN, else `width`.
 
         Why: a BLAS's small-matrix kernels block rows (OpenBLAS here: 12 rows cost ~25%
         more than 16), so the padding rows of a wider pass are cheaper than the pass's own
         shape. Plain steps (width 1) are never padded. The padded rows are computed and
         then dropped with the rejected ones; the pass's timing is the padded width's.
         """
-        pads = self._curves()[1]
-        pad = pads[width] if 0 <= width < len(pads) else width
-        return pad if pad <= limit else width
+        pads = self._curves(limit)[1]
+        return pads[width] if 0 <= width < len(pads) else width
 
-    def _curves(self) -> tuple[list[float], list[int]]:
-        """(price, padded width) for widths 0..K_MAX + 1: each width priced at its
-        padded width's interpolated cost, then made non-decreasing."""
-        if self._curve is None:
+    def _curves(self, limit: int) -> tuple[list[float], list[int]]:
+        """(price, padded width) for widths 0..K_MAX + 1 under a row budget of `limit`:
+        each width priced at its padded width's interpolated cost, then made
+        non-decreasing."""
+        limit = max(1, min(limit, K_MAX + 1))
+        curves = self._curves_by_limit.get(limit)
+        if curves is None:
             points = self._points()
             raw = [_table_cost(points, w) for w in range(K_MAX + 2)]
             pads = list(range(K_MAX + 2))
-            cheapest = K_MAX + 1  # the narrowest of the cheapest widths from w up
-            for w in range(K_MAX + 1, 1, -1):
+            cheapest = limit  # the narrowest of the cheapest widths from w up to the limit
+            for w in range(limit, 1, -1):
                 if raw[w] <= raw[cheapest]:
                     cheapest = w
                 if raw[cheapest] * (1 + PAD_MARGIN) < raw[w]:
                     pads[w] = cheapest
-            self._curve = list(accumulate((raw[pad] for pad in pads), max))
-            self._pads = pads
-        return self._curve, self._pads
+            curves = list(accumulate((raw[pad] for pad in pads), max)), pads
+            self._curves_by_limit[limit] = curves
+        return curves
 
     def table(self) -> dict[int, float]:
         """The table before padding: what a calibration file should say after live passes

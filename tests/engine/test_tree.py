@@ -327,6 +327,16 @@ def test_prune_looks_past_a_step_in_the_cost_curve() -> None:
     assert prune_tree(TREE, 0.5, 0.5, steady) == DraftTree.chain(TREE.ids[:3])
 
 
+def test_prune_prices_the_tree_within_the_steps_row_budget() -> None:
+    """From 6 rows on the curve is back at 1-row cost, so the whole tree (7 rows with the
+    pending token) costs what its chain does, and all of it is kept. A step whose row
+    budget stops at 4 rows cannot pad past the 5-row step, and keeps the chain."""
+    dip = CostModel({1: 1.0, 4: 1.0, 5: 3.0, 6: 1.0, 16: 1.0})
+    assert prune_tree(TREE, 0.5, 0.5, dip) == TREE
+    assert prune_tree(TREE, 0.5, 0.5, dip, limit=4) == DraftTree.chain(TREE.ids[:3])
+    assert prune_tree(TREE, 0.5, 0.5, dip, limit=7) == TREE
+
+
 def test_tree_stats_learn_how_often_an_alternative_wins() -> None:
     stats = TreeStats()
     before = stats.alt.alpha

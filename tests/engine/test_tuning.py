@@ -94,11 +94,30 @@ def test_a_pass_in_a_hump_of_the_curve_is_padded_to_the_cheaper_width() -> None:
     assert costs.verify(24) >= costs.verify(16)  # past the table: from the rising curve
     assert costs.table()[12] == 2.0  # the table keeps the hump it measured
     # a step's row budget bounds the padding (verify-pass memory)
-    assert costs.pad_width(12, limit=15) == 12 and costs.pad_width(12, limit=16) == 16
+    assert costs.pad_width(12, limit=12) == 12 and costs.pad_width(12, limit=16) == 16
+    assert costs.pad_width(12, limit=15) == 15  # the cheapest width the budget reaches
     # timings of the padded width correct its price like any other
     costs.observe(16, 1.6)
     costs.observe(16, 4.0)  # smoothed: 1.6 + COST_EMA * 2.4 = 2.08, above 12's 2.0
     assert costs.verify(12) > 1.6 and costs.pad_width(12) == 12
+
+
+def test_a_row_budget_below_the_dip_prices_and_pads_within_the_budget() -> None:
+    """A step may pad only within its row budget: where the budget stops short of the
+    dip, a pass is priced at what it will cost (its own width, or the cheapest width the
+    budget reaches), not at the dip it may not use."""
+    costs = CostModel({1: 1.0, 8: 1.3, 12: 2.0, 13: 1.7, 16: 1.6})
+    # unbudgeted: run at 16 rows, priced no lower than 10 rows' 1.65
+    assert costs.pad_width(12) == 16 and costs.verify(12) == pytest.approx(1.65)
+    # budget 13: 13 rows are the cheapest it reaches (1.7 undercuts 2.0 by > PAD_MARGIN)
+    assert costs.pad_width(12, limit=13) == 13
+    assert costs.verify(12, limit=13) == pytest.approx(1.7)
+    # budget 12: no padding, and the price is 12 rows' own
+    assert costs.pad_width(12, limit=12) == 12
+    assert costs.verify(12, limit=12) == pytest.approx(2.0)
+    assert costs.verify(11, limit=11) == pytest.approx(1.3 + 0.7 * 3 / 4)
+    # the unbudgeted prices are unchanged by asking for budgeted ones (separate curves)
+    assert costs.verify(12) == pytest.approx(1.65) and costs.pad_width(12) == 16
 
 
 def test_a_flattened_table_from_before_padding_learns_the_hump_from_live_passes() -> None:
