@@ -225,9 +225,11 @@ class Legend(QWidget):
         super().__init__(parent)
         self.label = QLabel()
         self.label.setTextFormat(Qt.TextFormat.RichText)
-        # Narrow windows clip the legend rather than forcing the whole window wider.
+        # Narrow windows wrap the legend between chips (a clipped chip reads as a
+        # different word) rather than forcing the whole window wider.
         self.label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
         self.label.setMinimumWidth(60)
+        self.label.setWordWrap(True)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.addWidget(self.label)
@@ -240,7 +242,7 @@ class Legend(QWidget):
             style = KIND_STYLES[kind]
             css = kind_css(kind, dark) or ""
             chips.append(f'<span style="{css}">&nbsp;{style.label}&nbsp;</span>')
-        self.label.setText("&nbsp;&nbsp;".join(chips))
+        self.label.setText("&nbsp; ".join(chips))  # the plain space is where a line may break
         self.label.setToolTip("\n".join(
             f"{KIND_STYLES[k].label}: {KIND_STYLES[k].meaning}" for k in LEGEND_ORDER))
 
