@@ -27,8 +27,7 @@ from mlx.utils import tree_flatten
 
 from engine.cache import make_caches
 from engine.paths import cache_dir
-from engine.tree_policy import row_budget
-from engine.tuning import K_MAX, CostModel
+from engine.tuning import K_MAX, CostModel, row_budget
 
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT = 2  # 1: unversioned entries keyed without BLAS, device or dtypes

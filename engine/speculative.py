@@ -41,7 +41,7 @@ from engine.events import TokenKind
 from engine.sampling import SamplingParams, log_probs
 from engine.steps import RawStep, forward, pipelined_step, sample_next
 from engine.tree import ROOT, DraftTree, TreeError, validate_tree
-from engine.tree_policy import EXTRA_NODES, TreeStats, prune_draft, row_budget
+from engine.tree_policy import TreeStats, prune_draft
 from engine.tree_verify import (
     TreeVerdict,
     chain_for_rejection,
@@ -49,7 +49,7 @@ from engine.tree_verify import (
     tree_pass,
     verify_tree_coupled,
 )
-from engine.tuning import Choice, DraftPolicy
+from engine.tuning import EXTRA_NODES, Choice, DraftPolicy, row_budget
 from engine.verify import verify_coupled_logits, verify_rejection
 
 

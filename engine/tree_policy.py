@@ -26,7 +26,6 @@ from engine.drafters.base import Draft
 from engine.tree import ROOT, DraftTree
 from engine.tuning import K_MAX, AcceptanceEstimate, CostModel, expected_tokens
 
-EXTRA_NODES = 8  # most nodes a tree may add beyond its main chain
 ALT_PRIOR = 0.35  # prior chance an alternative child is right after its sibling missed
 # score-gap bands of a runner-up (upper edges) and the prior chance it wins in each
 GAP_EDGES = (0.5, 1.5, 3.0)
@@ -87,12 +86,6 @@ def _branches(tree: DraftTree) -> list[tuple[int, list[int]]]:
         else:
             out[-1][1].append(i)
     return out
-
-
-def row_budget(k: int) -> int:
-    """The most rows a verify pass of a K-token draft may take, padding included: the
-    pending token, the K-deep main chain and EXTRA_NODES branch nodes."""
-    return 1 + k + EXTRA_NODES
 
 
 def prune_tree(tree: DraftTree, alpha: float, alt: float, costs: CostModel | None,

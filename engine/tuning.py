@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # tree_policy builds on this module
     from engine.tree_policy import TreeStats
 
 K_MAX = 15
+EXTRA_NODES = 8  # most nodes a draft tree may add beyond its main chain
 PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
                     # prompt lookup, by matched suffix length: longer matches copy better
                     "ngram2": 0.1, "ngram3": 0.25, "ngram4": 0.55}
@@ -194,6 +195,14 @@ class CostModel:
         return sorted(self.verify_s.items())
 
 
+def row_budget(k: int) -> int:
+    """The most rows a verify pass of a K-token draft may take, padding included: the
+    pending token, the K-deep main chain and EXTRA_NODES tree nodes. A step pads its pass
+    only within it (`CostModel.pad_width`), so padding never grows the pass's memory past
+    a tree's."""
+    return 1 + k + EXTRA_NODES
+
+
 def _table_cost(points: list[tuple[int, float]], width: int) -> float:
     """A pass of exactly `width` rows by the table: interpolated, and past its widest
     entry extrapolated from the table made non-decreasing."""
@@ -238,7 +247,9 @@ def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
     wrong guess leaves a plain step. Drafting must also beat plain by DRAFT_MARGIN, which
     covers the per-step work the pipelined plain path hides.
     """
-    widths = [costs.verify(w) for w in range(k_max + 2)]  # widths[w]: one pass of width w
+    # widths[w]: one pass of width w, as a step with w - 1 drafts runs it (padded within
+    # its row budget)
+    widths = [costs.verify(w, row_budget(w - 1)) for w in range(k_max + 2)]
     plain = 1.0 / widths[1]
     extra = costs.overlap_s if pending or guessed else 0.0
     best = (0, plain)

@@ -30,8 +30,7 @@ from engine.loading import LoadedModel, load_model
 from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps, step_kinds
 from engine.steps import prefill
-from engine.tree_policy import EXTRA_NODES
-from engine.tuning import Choice, PolicyMemory
+from engine.tuning import EXTRA_NODES, Choice, PolicyMemory
 from tests.fixtures.tiny_models import write_tiny_model, write_tiny_pair
 
 DRAFTERS = ("ngram", "model", "layerskip", "auto")

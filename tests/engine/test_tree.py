@@ -30,9 +30,9 @@ from engine.tree import (
     row_positions,
     validate_tree,
 )
-from engine.tree_policy import ALT_PRIOR, EXTRA_NODES, TreeStats, prune_draft, prune_tree
+from engine.tree_policy import ALT_PRIOR, TreeStats, prune_draft, prune_tree
 from engine.tree_verify import TreeVerdict, commit_path, tree_pass, verify_tree_coupled
-from engine.tuning import CostModel
+from engine.tuning import EXTRA_NODES, CostModel
 from engine.verify import verify_coupled_logits
 from tests.fixtures.tiny_models import write_tiny_model
 

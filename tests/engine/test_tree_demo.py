@@ -16,7 +16,7 @@ from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.loading import LoadedModel, load_model
 from engine.sampling import SamplingParams
-from engine.tree_policy import EXTRA_NODES
+from engine.tuning import EXTRA_NODES
 from resources import resource_path
 from tests.engine import test_tree_steps as steps_mod
 from tests.engine.test_tree_steps import AlwaysDraft, run_steps

@@ -26,8 +26,8 @@ from engine.sampling import SamplingParams, log_probs, sample_coupled
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.tree import ROOT
-from engine.tree_policy import ALT_PRIOR, EXTRA_NODES
-from engine.tuning import Choice, CostModel, PolicyMemory
+from engine.tree_policy import ALT_PRIOR
+from engine.tuning import EXTRA_NODES, Choice, CostModel, PolicyMemory
 from tests.fixtures.tiny_models import write_tiny_model
 
 N_TOKENS = 40

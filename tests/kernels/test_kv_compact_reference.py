@@ -16,8 +16,7 @@ import pytest
 
 from engine.cache import PreallocatedKVCache
 from engine.tree import kept_rows
-from engine.tree_policy import EXTRA_NODES
-from engine.tuning import K_MAX
+from engine.tuning import EXTRA_NODES, K_MAX
 from kernels import kv_compact
 
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
