@@ -23,7 +23,7 @@ from engine.calibration import (
 from engine.decode import ChatSession, GenerateOptions
 from engine.loading import load_model
 from engine.paths import cache_dir
-from engine.tuning import CostModel
+from engine.tuning import COST_EMA, CostModel
 from tests.fixtures.tiny_models import write_tiny_pair
 
 REFERENCE_BLAS = "/opt/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
@@ -146,6 +146,28 @@ def test_entries_of_an_older_format_are_ignored_and_dropped(
     assert costs.verify_s == {1: 0.1, 16: 0.15}
     assert set(json.loads(calibration_file().read_text())) == {"k"}
     assert not [w for w in recwarn if issubclass(w.category, CalibrationWarning)]
+
+
+def test_an_entry_timed_before_the_widest_tree_width_loads_and_learns_it(
+        data_dir: Path) -> None:
+    """Entries written before calibration timed the widest tree pass (widths up to 16) are
+    used as they are, not measured again: past them a width is priced from the table's
+    rising curve, and a live pass of that width enters the table and is saved with it."""
+    widest = max(CALIBRATION_WIDTHS)
+    assert widest == 24
+    older = {"format": CALIBRATION_FORMAT, "measured_at": 0,
+             "verify_s": {"1": 0.13, "8": 0.19, "12": 0.30, "16": 0.24},
+             "draft_s": {"ngram": 0.0}, "overlap_s": 0.01}
+    calibration_file().write_text(json.dumps({"k": older}))
+    costs = load_or_measure_costs("k", lambda: pytest.fail("measured again"))
+    assert widest not in costs.verify_s
+    before = costs.verify(widest)
+    assert before >= costs.verify(16)
+    costs.observe(widest, 0.36)  # slower than priced: smoothed in, like any other width
+    save_costs("k", costs)
+    saved = json.loads(calibration_file().read_text())["k"]["verify_s"]
+    assert saved[str(widest)] == pytest.approx(before + COST_EMA * (0.36 - before))
+    assert saved["12"] == pytest.approx(0.30)
 
 
 def test_saved_costs_replace_their_entry_only(data_dir: Path) -> None:
