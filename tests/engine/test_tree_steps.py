@@ -331,6 +331,32 @@ def test_padded_passes_commit_exactly_the_plain_text(target: LoadedModel, tree: 
             assert verify_widths == [s.n_drafted + 1 for s in drafted]
 
 
+class BudgetDraft(PaddedDraft):
+    """AlwaysDraft whose branch rows pay only if the pass may pad to a dip at `dip` rows:
+    from 2 rows on, every row costs half a 1-row pass more, up to the dip."""
+
+    def __init__(self, dip: int) -> None:
+        super().__init__(dip)
+        self.costs = CostModel({1: 1.0, 2: 1.1, dip - 1: 1.1 + 0.5 * (dip - 3), dip: 1.0})
+
+
+def test_trees_are_pruned_at_the_cost_their_step_may_pad_to(target: LoadedModel) -> None:
+    """With the dip within the step's row budget the branch rows ride free in the padded
+    pass and stay; one row past it they cost what they cost unpadded, and the pruner
+    (priced with the step's budget) keeps chains."""
+    model = target.model
+    sampling = SamplingParams(temperature=0.8, seed=11)
+    plain, _ = run_steps(model, sampling)
+    budget = 1 + K + EXTRA_NODES
+    for dip, branched in ((budget, True), (budget + 1, False)):
+        policy = BudgetDraft(dip)
+        spec, steps = run_steps(model, sampling, {"ngram": NgramDrafter(min_n=1)}, policy,
+                                tree="auto")
+        assert spec == plain
+        drafted = [s for s in steps if s.n_drafted]
+        assert drafted and any(s.branches for s in drafted) == branched, dip
+
+
 @pytest.mark.parametrize(("ids", "parents", "message"), [
     ((5, 6, 7), (-1, 2, 0), "does not come before it"),  # a parent after its child
     ((5, 6), (-1, 1), "does not come before it"),  # a cycle: its own parent
