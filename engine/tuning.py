@@ -65,9 +65,10 @@ class CostModel:
     overlap_s: float = 0.0
 
     def __post_init__(self) -> None:
-        # verify() for every width up to K_MAX + 1, per row budget, rebuilt after a change:
-        # the policy asks for the whole curve every step, and the step's host time competes
-        # with the pass
+        # verify() for every width up to K_MAX + 1, per row budget, rebuilt after a change
+        # from one interpolated table: the policy asks for the whole curve every step, and
+        # the step's host time competes with the pass
+        self._raw: list[float] | None = None
         self._curves_by_limit: dict[int, tuple[list[float], list[int]]] = {}
         # widths timed live since the table was anchored (*tested*), and how many times
         self._timings: dict[int, int] = {}
@@ -104,6 +105,7 @@ class CostModel:
         self._timings[width] = self._timings.get(width, 0) + 1
         if width == 1:
             self._check_anchor(seconds)
+        self._raw = None
         self._curves_by_limit.clear()
 
     def _check_anchor(self, seconds: float) -> None:
@@ -171,8 +173,10 @@ class CostModel:
         limit = max(1, min(limit, K_MAX + 1))
         curves = self._curves_by_limit.get(limit)
         if curves is None:
-            points = self._points()
-            raw = [_table_cost(points, w) for w in range(K_MAX + 2)]
+            if self._raw is None:
+                points = self._points()
+                self._raw = [_table_cost(points, w) for w in range(K_MAX + 2)]
+            raw = self._raw
             pads = list(range(K_MAX + 2))
             cheapest = limit  # the narrowest of the cheapest widths from w up to the limit
             for w in range(limit, 1, -1):
