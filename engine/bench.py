@@ -21,7 +21,7 @@ from engine.drafters.head_io import head_for_drafter
 from engine.errors import EngineError
 from engine.events import Finished, Stats
 from engine.sampling import SamplingParams
-from engine.tuning import K_MAX, CostModel
+from engine.tuning import K_MAX, CostModel, row_budget
 from engine.turns import take_turns
 from resources import resource_path
 
@@ -298,19 +298,29 @@ def describe_corrections(corrections: Sequence[tuple[int, float, float]],
     return "cost table corrected by live passes: " + ", ".join(parts) + more
 
 
+def _span(widths: list[int]) -> str:
+    """"11-15" for a run of consecutive widths, "4" for one, "3, 5" otherwise."""
+    if len(widths) == 1:
+        return str(widths[0])
+    if widths == list(range(widths[0], widths[-1] + 1)):
+        return f"{widths[0]}-{widths[-1]}"
+    return ", ".join(map(str, widths))
+
+
 def describe_padding(costs: CostModel) -> str | None:
     """One line naming the pass widths run wider because the wider pass costs less here
     (`CostModel.pad_width`), or None: it explains a speedup that a width's own timing
-    would not, and tells the user the padding is on."""
+    would not, and tells the user the padding is on. A width is shown as a chain of that
+    width pads it, within the chain's own row budget: a narrow chain may not reach the
+    cheapest width of the whole table."""
     runs: dict[int, list[int]] = {}
     for width in range(2, K_MAX + 2):
-        pad = costs.pad_width(width)
+        pad = costs.pad_width(width, row_budget(width - 1))
         if pad != width:
             runs.setdefault(pad, []).append(width)
     if not runs:
         return None
-    parts = [f"{ws[0]}-{ws[-1]} rows as {pad}" if ws == list(range(ws[0], ws[-1] + 1))
-             else f"{', '.join(map(str, ws))} rows as {pad}" for pad, ws in sorted(runs.items())]
+    parts = [f"{_span(ws)} rows as {pad}" for pad, ws in sorted(runs.items())]
     return "passes padded where a wider one costs less: " + ", ".join(parts)
 
 

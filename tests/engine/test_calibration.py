@@ -4,6 +4,7 @@ cache file in the app-data dir (versioned; a damaged file is set aside, never a 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,7 @@ from engine.calibration import (
 from engine.decode import ChatSession, GenerateOptions
 from engine.loading import load_model
 from engine.paths import cache_dir
-from engine.tuning import COST_EMA, CostModel
+from engine.tuning import COST_EMA, CostModel, row_budget
 from tests.fixtures.tiny_models import write_tiny_pair
 
 REFERENCE_BLAS = "/opt/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
@@ -199,6 +200,20 @@ def test_the_bench_names_the_widths_it_pads() -> None:
     hump = CostModel({1: 1.0, 8: 1.3, 12: 2.0, 16: 1.6})
     assert describe_padding(hump) == "passes padded where a wider one costs less: 11-15 rows as 16"
     assert describe_padding(CostModel({1: 1.0, 8: 1.3, 16: 1.6})) is None  # a rising curve
+
+
+def test_the_padding_line_keeps_each_chain_width_within_its_row_budget() -> None:
+    """16 rows cost less than 4: a 4-row chain may take only row_budget(3) rows, so it is
+    not shown as padded to 16; the line names the widths as they would run."""
+    dip = CostModel({1: 1.0, 4: 2.0, 8: 2.2, 12: 1.8, 16: 1.5})
+    assert row_budget(3) < 16 <= row_budget(7)
+    line = describe_padding(dip)
+    assert line is not None
+    widths = {w: int(pad) for lo, hi, pad in re.findall(r"(\d+)(?:-(\d+))? rows as (\d+)", line)
+              for w in range(int(lo), int(hi or lo) + 1)}
+    assert "4 rows as 12" in line  # a single width is named once, not as a range "4-4"
+    assert all(pad <= row_budget(w - 1) for w, pad in widths.items())
+    assert widths[8] == 16 and widths[4] == dip.pad_width(4, row_budget(3)) != 16
 
 
 def test_a_reply_writes_live_corrections_back_to_the_file(
