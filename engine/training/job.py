@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from engine.drafters.head import HeadConfig, HeadModel, default_layers
+from engine.drafters.head import default_layers
 from engine.drafters.head_io import (
     current_checkpoint,
     head_root,
@@ -51,6 +51,7 @@ from engine.training.data import (
     save_shard,
 )
 from engine.training.fit import FitOptions, Trainer, evaluate
+from engine.training.head_init import init_head
 from engine.training.online import OnlineBuffer, online_dir, reply_id
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -138,19 +139,6 @@ def choose_hot_ids(samples: Sequence[Sample], vocab_size: int, limit: int) -> np
     if len(seen) == 0:
         raise EngineError("no reply tokens in the training data")
     return seen.astype(np.int64)
-
-
-def init_head(model, hot: np.ndarray, layers: Sequence[int] | None, seed: int) -> HeadModel:
-    """A fresh head for a decoder `model`; its output layer and final norm start as the
-    target's own (restricted to the hot tokens), so it begins in the target's output space."""
-    config = HeadConfig.for_target(model.args, len(hot), layers)
-    mx.random.seed(seed)
-    head = HeadModel(config, hot, model.model.embed_tokens)
-    out = model.lm_head.weight if "lm_head" in model else model.model.embed_tokens.weight
-    head.lm_head.weight = out[mx.array(hot.astype(np.int32))]
-    head.norm.weight = mx.array(model.model.norm.weight)
-    mx.eval(head.parameters())
-    return head
 
 
 def _load_data(data_dir: Path) -> list[Sample]:

@@ -40,7 +40,8 @@ from engine.loading import LoadedModel, load_model
 from engine.models.taps import FeatureTap
 from engine.sampling import SamplingParams
 from engine.training.fit import FitOptions
-from engine.training.job import TrainOptions, init_head, train_drafter
+from engine.training.head_init import init_head
+from engine.training.job import TrainOptions, train_drafter
 from tests.fixtures.tiny_models import write_tiny_model
 
 USER = [{"role": "user", "content": "Hello world! The quick brown fox"}]

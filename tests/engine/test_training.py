@@ -45,7 +45,8 @@ from engine.training.fit import (
     unrolled_outputs,
     windows,
 )
-from engine.training.job import TrainOptions, choose_hot_ids, init_head, train_drafter
+from engine.training.head_init import init_head
+from engine.training.job import TrainOptions, choose_hot_ids, train_drafter
 from tests.fixtures.tiny_models import write_tiny_model
 
 LAYERS = (2, 2, 1)
@@ -244,7 +245,9 @@ def test_loss_falls_on_a_fixed_batch(target: LoadedModel, samples) -> None:
     for _ in range(30):
         trainer.train_step()
     after = float(loss_fn(head, batch, 3, 0.8).item())
-    assert after < 0.5 * before, (before, after)
+    # 0.6: the head starts from the target's layer (head_init), nearer the labels'
+    # entropy floor (~4.6 here) than a random block, so there is less to fall
+    assert after < 0.6 * before, (before, after)
     # negative control: the same number of steps at learning rate 0 leaves it unchanged
     head0 = init_head(target.model, choose_hot_ids(samples, V, 10_000), LAYERS, 0)
     still = Trainer(head0, samples, FitOptions(batch_size=4, window=64, warmup=1,
