@@ -239,8 +239,9 @@ def test_a_reply_writes_live_corrections_back_to_the_file(
     assert costs is not None
     probed = [w for w, _, _ in costs.corrections if w >= 2]
     assert probed, costs.corrections
-    # prices relative to width 1: a change of load during the reply rescales the whole
-    # table by its width-1 drift (CostModel._check_anchor), which is not a correction
+    # prices relative to width 1, and a 100x correction told from none at 10x: a change of
+    # load during the reply moves the width-1 entry (smoothed) and rescales the whole
+    # table by its drift (CostModel._check_anchor) by 2-3x, which is not a correction
     stale_rel = {w: stale.verify(w) / stale.verify(1) for w in CALIBRATION_WIDTHS}
 
     def saved_rel() -> dict[int, float]:
@@ -260,4 +261,4 @@ def test_a_reply_writes_live_corrections_back_to_the_file(
     monkeypatch.setattr("engine.tuning.COST_PROBES", False)
     list(ChatSession(target, draft).generate(messages, opts))
     got = saved_rel()
-    assert all(got[w] > stale_rel[w] / 2 for w in CALIBRATION_WIDTHS if w >= 2), got
+    assert all(got[w] > stale_rel[w] / 10 for w in CALIBRATION_WIDTHS if w >= 2), got
