@@ -24,15 +24,17 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from engine.drafters.head import HeadConfig, HeadModel
+from engine.weights import QuantSpec, dequantize_float32
 
 OTHER_FEATURES_SCALE = 0.1  # of the default init, for fc's low and middle feature layers
 
 
 def dense_weight(layer: nn.Module) -> mx.array:
-    """A linear or embedding layer's weight as floats (a quantized one dequantized)."""
+    """A linear or embedding layer's weight as floats (a quantized one dequantized the
+    way loading does on the CPU)."""
     if "scales" in layer:
-        return mx.dequantize(layer["weight"], layer["scales"], layer.get("biases"),
-                             layer.group_size, layer.bits)
+        spec = QuantSpec(layer.group_size, layer.bits, getattr(layer, "mode", "affine"))
+        return dequantize_float32(layer["weight"], layer["scales"], layer.get("biases"), spec)
     return layer["weight"]
 
 
