@@ -30,7 +30,12 @@ from engine.turns import take_turns
 # STALE_BENCH_PROMPTS=10 pytest -s this file)
 N_PROMPTS = int(os.environ.get("STALE_BENCH_PROMPTS", "1"))
 MAX_TOKENS = 128  # `understudy bench`'s default reply length
-SLICE_STEPS = 8
+# Turns of 2 steps, not the bench's 8: a code-editing reply here is only ~20 speculative
+# steps, so turns of 8 gave each session 2-3 turns, too few for the order swaps to even out
+# the machine's drift, and two sessions' mean ratio stale/fresh scattered over 0.90-1.00
+# (twice under 0.9 in CI) while both tables chose the same drafts step for step. Turns of
+# 2: 0.96-1.06 over ten runs.
+SLICE_STEPS = 2
 STALE_FACTOR = 10.0
 # The issue's figure: within 10% of a fresh calibration's speedup, within the first
 # prompt. A wide probe corrects every stale width at once (`CostModel.observe`), so from
