@@ -37,6 +37,9 @@ COST_PROBES = True  # verify untested widths now and then (off only for a negati
 PROBE_SHARE = 0.05  # cost probes may take about this share of decode time
 PROBE_DRAFT_PASSES = 2.0  # a cost probe drafts at most this many target passes' worth
 CONFIRM_TIMINGS = 2  # live timings of a width before probes take the table's word for it
+# steps after a probe that corrected the table before the next one may check that
+# correction (a first pass at a width often runs slow, and the correction took it whole)
+RECHECK_EVERY = 4
 GUARD_MIN_STEPS = 2  # steps of a drafter before its realized speed can bench it
 GUARD_RETRY = 1024  # steps after which a benched drafter gets one more chance (a losing
 # probe of a drafter that costs half a target pass per token wastes a few steps)
@@ -74,6 +77,8 @@ class CostModel:
         self._timings: dict[int, int] = {}
         self._anchor = self.verify_s.get(1)  # the width-1 cost the table agrees with
         self._drift = 0.0  # smoothed log(width-1 timing / anchor)
+        # widths whose entry is one live timing taken whole by a correction
+        self._taken_whole: set[int] = set()
         # what live timings changed, for the user: (width, table seconds, live seconds)
         self.corrections: list[tuple[int, float, float]] = []
 
@@ -86,9 +91,13 @@ class CostModel:
         wider than one token by the same ratio; other timings are smoothed. Narrower
         ones too: capping them at the live timing alone would price a 2-token pass like
         the probed 7-token one, so short drafts would stay shut out until each width
-        happened to be tried.
+        happened to be tried. An entry an earlier correction took whole from its single
+        timing is rescaled with them: a width's first live pass often runs slow (up to
+        ~1.4x its steady cost here), and kept as it was, that one timing would stand for
+        its width until the policy happened to run that width again.
         """
         old = self.verify_s.get(width)
+        taken_whole = False
         if self._timings.get(width, 0) < CONFIRM_TIMINGS:
             old = _table_cost(self._points(), width)  # what the table says for this width
             # only a cheaper pass is taken whole: a table too high keeps the policy from
@@ -98,9 +107,15 @@ class CostModel:
                 self.corrections.append((width, old, seconds))
                 if width > 1:  # untested multi-token entries are likely off the same way
                     for w in self.verify_s:
-                        if w > 1 and w != width and w not in self._timings:
+                        if w > 1 and w != width and (w not in self._timings
+                                                     or w in self._taken_whole):
                             self.verify_s[w] *= seconds / old
+                    taken_whole = True
                 old = seconds
+        if taken_whole:
+            self._taken_whole.add(width)
+        else:
+            self._taken_whole.discard(width)
         self.verify_s[width] = old + COST_EMA * (seconds - old)
         self._timings[width] = self._timings.get(width, 0) + 1
         if width == 1:
@@ -127,6 +142,7 @@ class CostModel:
         self.verify_s = {w: sec * ratio for w, sec in self.verify_s.items()}
         self._anchor, self._drift = now, 0.0
         self._timings = {1: 1}
+        self._taken_whole.clear()
 
     def tested(self, width: int) -> bool:
         """Whether a pass this wide (or wider) has been timed since the table's anchor."""
@@ -332,6 +348,7 @@ class PolicyMemory:
     idle: int = 0
     # the last cost probe: its step, and what its pass cost beyond a plain one once timed
     cost_probe: tuple[int, float] | None = None
+    probe_corrected: bool = False  # whether that probe's timing corrected the table
     # per drafter: how often a draft tree's runner-up won where its first child lost
     tree_stats: dict[str, TreeStats] = field(default_factory=dict)
 
@@ -458,7 +475,8 @@ class DraftPolicy:
         Prompt lookup drafts what it matched (free to draft); other drafters double the
         widest tested width, up to PROBE_DRAFT_PASSES target passes' worth of drafting.
         Probes are spaced so they take about PROBE_SHARE of decode time, priced at what the
-        last one cost beyond plain steps committing its tokens; the first may come at once.
+        last one cost beyond plain steps committing its tokens; the first may come at once,
+        and one after a probe that corrected the table within RECHECK_EVERY steps.
         """
         costs = self.costs
         if not self.cost_probes or costs is None or self.fixed_k is not None:
@@ -466,7 +484,8 @@ class DraftPolicy:
         last = self.memory.cost_probe
         if last is not None:
             step, extra = last
-            spacing = max(PROBE_EVERY, extra / (PROBE_SHARE * costs.verify(1)))
+            floor = RECHECK_EVERY if self.memory.probe_corrected else PROBE_EVERY
+            spacing = max(floor, extra / (PROBE_SHARE * costs.verify(1)))
             if self.memory.steps - step < spacing:
                 return None
         widest = max((w for w in range(1, K_MAX + 2) if costs.tested(w)), default=1)
@@ -524,4 +543,7 @@ class DraftPolicy:
                 # drafts were accepted cost nothing
                 extra = max(seconds - (n_accepted + 1) * self.costs.verify(1), 0.0)
                 self.memory.cost_probe = (self.memory.cost_probe[0], extra)
+            n_corrections = len(self.costs.corrections)
             self.costs.observe(width, seconds)
+            if choice.probe:
+                self.memory.probe_corrected = len(self.costs.corrections) > n_corrections

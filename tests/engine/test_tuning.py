@@ -17,6 +17,7 @@ from engine.tuning import (
     PAD_MARGIN,
     PROBE_EVERY,
     PROBE_SHARE,
+    RECHECK_EVERY,
     AcceptanceEstimate,
     Choice,
     CostModel,
@@ -419,6 +420,51 @@ def test_a_wide_probe_rescales_the_untested_narrower_widths_too() -> None:
     assert costs.table()[2] > 5 * TRUE[2]
     # (a 2-row pass is then run 3 rows wide, which the rescaled table prices far lower)
     assert costs.pad_width(2) == 3 and costs.verify(2) == pytest.approx(costs.table()[3])
+
+
+def test_a_slow_first_probe_is_rescaled_by_the_next_correction() -> None:
+    """The demo's first probe of width 7 ran 1.4x its steady cost (CI, a stale table):
+    taken whole, it set the whole table 1.4x high. The next probe's width 16, timed at its
+    true cost, rescales that entry with the untested ones."""
+    costs = CostModel(dict(STALE))
+    costs.observe(7, 1.4 * true_cost(7))
+    assert costs.table()[7] == pytest.approx(1.4 * true_cost(7))
+    assert costs.verify(12) == pytest.approx(1.4 * true_cost(12))
+    costs.observe(16, TRUE[16])
+    assert [w for w, _, _ in costs.corrections] == [7, 16]
+    assert costs.table()[7] == pytest.approx(true_cost(7), rel=0.05)
+    for w in (2, 4, 7, 8, 12, 16):
+        assert costs.verify(w) == pytest.approx(true_cost(w), rel=0.05), w
+    # negative control: an entry smoothed from a timing near the table is live evidence,
+    # and a later correction elsewhere leaves it as timed
+    costs = CostModel(dict(TRUE))
+    costs.observe(7, 1.2 * true_cost(7))  # within DRIFT_FRACTION: smoothed
+    kept = costs.table()[7]
+    costs.observe(16, TRUE[16] / 2)  # far cheaper: a correction
+    assert costs.corrections[-1][0] == 16 and costs.table()[7] == kept
+
+
+def test_a_probe_that_corrected_the_table_is_rechecked_soon() -> None:
+    """A correction takes a single first timing whole, and first passes run slow: the next
+    probe may come RECHECK_EVERY steps later instead of PROBE_EVERY."""
+    policy = DraftPolicy("ngram", ("ngram",), CostModel(dict(STALE)),
+                         ngram_match=ngram_match)
+    probe = Choice("ngram", K_MAX, "ngram4", probe=True)
+    policy.memory.cost_probe = (0, 0.0)
+    policy.update(probe, K_MAX, K_MAX, 1.4 * TRUE[16], K_MAX + 1)  # 10x stale: corrected
+    assert policy.memory.probe_corrected
+    wanted = [("ngram", "ngram4", K_MAX)]
+    for corrected, due in ((True, RECHECK_EVERY), (False, PROBE_EVERY)):
+        policy.memory.probe_corrected = corrected
+        policy.memory.cost_probe = (100, 0.0)
+        policy.memory.steps = 100 + due - 1
+        assert policy._cost_probe(wanted, 3) is None, corrected
+        policy.memory.steps = 100 + due
+        assert policy._cost_probe(wanted, 3) == probe, corrected
+    # a probe whose timing agreed with the table (now corrected) does not re-arm it
+    policy.memory.cost_probe = (0, 0.0)
+    policy.update(probe, K_MAX, K_MAX, 1.4 * TRUE[16], K_MAX + 1)
+    assert not policy.memory.probe_corrected
 
 
 def test_a_first_timing_above_the_table_is_smoothed_not_taken_whole() -> None:
