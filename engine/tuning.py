@@ -31,15 +31,15 @@ DRAFT_MARGIN = 0.15
 PAD_MARGIN = 0.05
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
 DRIFT_FRACTION = 0.3  # a timing this far off the table (either way) says the table is stale
+# after a correction, the rest of the table is one live timing's guess: a first timing
+# this much under it refines it (a width's first pass often runs up to ~1.4x slow)
+REFINE_FRACTION = 0.15
 DRIFT_EMA = 0.05  # weight of one width-1 timing in the drift that rescales the table
 PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
 COST_PROBES = True  # verify untested widths now and then (off only for a negative control)
 PROBE_SHARE = 0.05  # cost probes may take about this share of decode time
 PROBE_DRAFT_PASSES = 2.0  # a cost probe drafts at most this many target passes' worth
 CONFIRM_TIMINGS = 2  # live timings of a width before probes take the table's word for it
-# steps after a probe that corrected the table before the next one may check that
-# correction (a first pass at a width often runs slow, and the correction took it whole)
-RECHECK_EVERY = 4
 GUARD_MIN_STEPS = 2  # steps of a drafter before its realized speed can bench it
 GUARD_RETRY = 1024  # steps after which a benched drafter gets one more chance (a losing
 # probe of a drafter that costs half a target pass per token wastes a few steps)
@@ -77,7 +77,9 @@ class CostModel:
         self._timings: dict[int, int] = {}
         self._anchor = self.verify_s.get(1)  # the width-1 cost the table agrees with
         self._drift = 0.0  # smoothed log(width-1 timing / anchor)
-        # widths whose entry is one live timing taken whole by a correction
+        # whether a live timing has rescaled the untested entries since the anchor, and
+        # the widths whose entry is one live timing taken whole by such a correction
+        self._corrected = False
         self._taken_whole: set[int] = set()
         # what live timings changed, for the user: (width, table seconds, live seconds)
         self.corrections: list[tuple[int, float, float]] = []
@@ -91,10 +93,14 @@ class CostModel:
         wider than one token by the same ratio; other timings are smoothed. Narrower
         ones too: capping them at the live timing alone would price a 2-token pass like
         the probed 7-token one, so short drafts would stay shut out until each width
-        happened to be tried. An entry an earlier correction took whole from its single
-        timing is rescaled with them: a width's first live pass often runs slow (up to
-        ~1.4x its steady cost here), and kept as it was, that one timing would stand for
-        its width until the policy happened to run that width again.
+        happened to be tried.
+
+        Such a correction rests on one timing, and a width's first live pass often runs
+        slow (up to ~1.4x its steady cost here), which would leave the whole table that
+        much high. So until the next anchor rescale, the entries it set (the rescaled
+        ones, and its own while timed once) are refined by any first timing more than
+        REFINE_FRACTION under them, the same way: the passes the policy runs anyway fix
+        the table, without another probe.
         """
         old = self.verify_s.get(width)
         taken_whole = False
@@ -103,14 +109,17 @@ class CostModel:
             # only a cheaper pass is taken whole: a table too high keeps the policy from
             # ever timing that width again, one too low is corrected by the passes it
             # brings (and on a shared machine a single slow timing is often just load)
-            if seconds * (1 + DRIFT_FRACTION) < old:
+            provisional = self._corrected and width > 1 and (
+                width not in self._timings or width in self._taken_whole)
+            margin = REFINE_FRACTION if provisional else DRIFT_FRACTION
+            if seconds * (1 + margin) < old:
                 self.corrections.append((width, old, seconds))
                 if width > 1:  # untested multi-token entries are likely off the same way
                     for w in self.verify_s:
                         if w > 1 and w != width and (w not in self._timings
                                                      or w in self._taken_whole):
                             self.verify_s[w] *= seconds / old
-                    taken_whole = True
+                    taken_whole = self._corrected = True
                 old = seconds
         if taken_whole:
             self._taken_whole.add(width)
@@ -142,6 +151,7 @@ class CostModel:
         self.verify_s = {w: sec * ratio for w, sec in self.verify_s.items()}
         self._anchor, self._drift = now, 0.0
         self._timings = {1: 1}
+        self._corrected = False
         self._taken_whole.clear()
 
     def tested(self, width: int) -> bool:
@@ -348,7 +358,6 @@ class PolicyMemory:
     idle: int = 0
     # the last cost probe: its step, and what its pass cost beyond a plain one once timed
     cost_probe: tuple[int, float] | None = None
-    probe_corrected: bool = False  # whether that probe's timing corrected the table
     # per drafter: how often a draft tree's runner-up won where its first child lost
     tree_stats: dict[str, TreeStats] = field(default_factory=dict)
 
@@ -475,8 +484,7 @@ class DraftPolicy:
         Prompt lookup drafts what it matched (free to draft); other drafters double the
         widest tested width, up to PROBE_DRAFT_PASSES target passes' worth of drafting.
         Probes are spaced so they take about PROBE_SHARE of decode time, priced at what the
-        last one cost beyond plain steps committing its tokens; the first may come at once,
-        and one after a probe that corrected the table within RECHECK_EVERY steps.
+        last one cost beyond plain steps committing its tokens; the first may come at once.
         """
         costs = self.costs
         if not self.cost_probes or costs is None or self.fixed_k is not None:
@@ -484,8 +492,7 @@ class DraftPolicy:
         last = self.memory.cost_probe
         if last is not None:
             step, extra = last
-            floor = RECHECK_EVERY if self.memory.probe_corrected else PROBE_EVERY
-            spacing = max(floor, extra / (PROBE_SHARE * costs.verify(1)))
+            spacing = max(PROBE_EVERY, extra / (PROBE_SHARE * costs.verify(1)))
             if self.memory.steps - step < spacing:
                 return None
         widest = max((w for w in range(1, K_MAX + 2) if costs.tested(w)), default=1)
@@ -543,7 +550,4 @@ class DraftPolicy:
                 # drafts were accepted cost nothing
                 extra = max(seconds - (n_accepted + 1) * self.costs.verify(1), 0.0)
                 self.memory.cost_probe = (self.memory.cost_probe[0], extra)
-            n_corrections = len(self.costs.corrections)
             self.costs.observe(width, seconds)
-            if choice.probe:
-                self.memory.probe_corrected = len(self.costs.corrections) > n_corrections

@@ -17,7 +17,7 @@ from engine.tuning import (
     PAD_MARGIN,
     PROBE_EVERY,
     PROBE_SHARE,
-    RECHECK_EVERY,
+    REFINE_FRACTION,
     AcceptanceEstimate,
     Choice,
     CostModel,
@@ -444,27 +444,25 @@ def test_a_slow_first_probe_is_rescaled_by_the_next_correction() -> None:
     assert costs.corrections[-1][0] == 16 and costs.table()[7] == kept
 
 
-def test_a_probe_that_corrected_the_table_is_rechecked_soon() -> None:
-    """A correction takes a single first timing whole, and first passes run slow: the next
-    probe may come RECHECK_EVERY steps later instead of PROBE_EVERY."""
-    policy = DraftPolicy("ngram", ("ngram",), CostModel(dict(STALE)),
-                         ngram_match=ngram_match)
-    probe = Choice("ngram", K_MAX, "ngram4", probe=True)
-    policy.memory.cost_probe = (0, 0.0)
-    policy.update(probe, K_MAX, K_MAX, 1.4 * TRUE[16], K_MAX + 1)  # 10x stale: corrected
-    assert policy.memory.probe_corrected
-    wanted = [("ngram", "ngram4", K_MAX)]
-    for corrected, due in ((True, RECHECK_EVERY), (False, PROBE_EVERY)):
-        policy.memory.probe_corrected = corrected
-        policy.memory.cost_probe = (100, 0.0)
-        policy.memory.steps = 100 + due - 1
-        assert policy._cost_probe(wanted, 3) is None, corrected
-        policy.memory.steps = 100 + due
-        assert policy._cost_probe(wanted, 3) == probe, corrected
-    # a probe whose timing agreed with the table (now corrected) does not re-arm it
-    policy.memory.cost_probe = (0, 0.0)
-    policy.update(probe, K_MAX, K_MAX, 1.4 * TRUE[16], K_MAX + 1)
-    assert not policy.memory.probe_corrected
+def test_the_passes_after_a_slow_correcting_probe_refine_the_table() -> None:
+    """The first probe of width 7 ran 1.25x slow and set the whole table 1.25x high: too
+    little for DRIFT_FRACTION to catch again. The next ordinary pass, width 4 at its true
+    cost, brings every entry that correction set back to the truth, the probed one too."""
+    slow = 1.25
+    assert 1 + REFINE_FRACTION < slow < 1 + DRIFT_FRACTION
+    costs = CostModel(dict(STALE))
+    costs.observe(7, slow * true_cost(7))
+    assert costs.table()[4] == pytest.approx(slow * TRUE[4])
+    costs.observe(4, TRUE[4])
+    assert [w for w, _, _ in costs.corrections] == [7, 4]
+    for w in (2, 4, 7, 8, 16):
+        assert costs.table()[w] == pytest.approx(TRUE.get(w, true_cost(w)), rel=0.05), w
+    # negative control: with no correction before it, a fresh table's entry that a first
+    # timing undercuts by as much is only smoothed (one fast pass is not a stale table)
+    costs = CostModel(dict(TRUE))
+    costs.observe(4, TRUE[4] / 1.25)
+    assert costs.corrections == []
+    assert costs.table()[4] == pytest.approx(TRUE[4] + COST_EMA * (TRUE[4] / 1.25 - TRUE[4]))
 
 
 def test_a_first_timing_above_the_table_is_smoothed_not_taken_whole() -> None:
