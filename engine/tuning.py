@@ -109,15 +109,13 @@ class CostModel:
             # only a cheaper pass is taken whole: a table too high keeps the policy from
             # ever timing that width again, one too low is corrected by the passes it
             # brings (and on a shared machine a single slow timing is often just load)
-            provisional = self._corrected and width > 1 and (
-                width not in self._timings or width in self._taken_whole)
-            margin = REFINE_FRACTION if provisional else DRIFT_FRACTION
+            refining = self._corrected and width > 1 and self._unsettled(width)
+            margin = REFINE_FRACTION if refining else DRIFT_FRACTION
             if seconds * (1 + margin) < old:
                 self.corrections.append((width, old, seconds))
                 if width > 1:  # untested multi-token entries are likely off the same way
                     for w in self.verify_s:
-                        if w > 1 and w != width and (w not in self._timings
-                                                     or w in self._taken_whole):
+                        if w > 1 and w != width and self._unsettled(w):
                             self.verify_s[w] *= seconds / old
                     taken_whole = self._corrected = True
                 old = seconds
@@ -131,6 +129,11 @@ class CostModel:
             self._check_anchor(seconds)
         self._raw = None
         self._curves_by_limit.clear()
+
+    def _unsettled(self, width: int) -> bool:
+        """Whether the entry is no live evidence yet: never timed, or one timing that a
+        correction took whole."""
+        return width not in self._timings or width in self._taken_whole
 
     def _check_anchor(self, seconds: float) -> None:
         """Rescale the curve when width-1 timings have drifted from the table's anchor.
