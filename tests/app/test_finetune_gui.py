@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 
 from app.ui.worker import ChatSettings
 from engine.drafters.head_io import current_checkpoint, head_root, read_record
@@ -103,10 +103,15 @@ def test_a_message_sent_during_the_background_finetune_is_answered_between_its_s
     ended: list[tuple] = []
     edit = gui.window.composer.edit
 
-    def send_at_once() -> None:
-        order.append("finetune started")
+    def type_and_send() -> None:
         edit.setPlainText("And another one")
         qtbot.keyClick(edit, Qt.Key.Key_Return)
+
+    def send_at_once() -> None:
+        # a plain function connected to the worker's signal runs on the worker's thread;
+        # widgets may only be touched on the GUI thread (it segfaulted once in CI)
+        order.append("finetune started")
+        QTimer.singleShot(0, edit, type_and_send)
 
     worker.finetune_started.connect(send_at_once)
     worker.finetune_ended.connect(lambda last, error: (order.append("finetune ended"),
