@@ -2,8 +2,8 @@
 
 Calibration takes seconds, so its results are kept in `calibration.json` under a key made
 of everything that changes costs and is known before measuring: the model files, the
-drafters timed, the device and the weight dtypes the backend policy produced, the MLX
-version, and (on Linux) the BLAS library actually mapped into the process — installing the
+drafters timed, the device, the weight dtypes and layout the backend policy produced, the
+MLX version, and (on Linux) the BLAS library actually mapped into the process — installing the
 system OpenBLAS makes a 16-token pass ~8x cheaper relative to a 1-token one, and an entry
 timed before that must not be reused after it. Entries carry CALIBRATION_FORMAT: entries of
 another format are ignored and dropped, and a damaged file is set aside with a warning and
@@ -61,11 +61,14 @@ def loaded_blas(maps: Path = Path("/proc/self/maps")) -> str:
     return "+".join(found) or "none"
 
 
-def weight_dtypes(model) -> str:
-    """The dtypes the model's parameters are held in ("float32", "float16+uint32", ...):
-    what the backend's weight policy made of the checkpoint."""
-    return "+".join(sorted({str(v.dtype).removeprefix("mlx.core.")
-                            for _, v in tree_flatten(model.parameters())}))
+def weight_form(model) -> str:
+    """What the backend's weight policy made of the checkpoint: the dtypes its parameters
+    are held in ("float32", "float16+uint32", ...), and "/col-major" where its matrices
+    were laid out for the CPU (`store_column_major`), which changes every width's cost
+    unevenly."""
+    dtypes = "+".join(sorted({str(v.dtype).removeprefix("mlx.core.")
+                              for _, v in tree_flatten(model.parameters())}))
+    return dtypes + ("/col-major" if getattr(model, "column_major", False) else "")
 
 
 def calibration_key(target_path: Path, target_model, draft_path: Path | None,
@@ -73,7 +76,7 @@ def calibration_key(target_path: Path, target_model, draft_path: Path | None,
     """The cache key: everything that changes pass costs and is known before measuring."""
     return "|".join([f"v{CALIBRATION_FORMAT}", str(target_path),
                      str(draft_path) if draft_path else "-", f"skip{layerskip_layers}",
-                     str(mx.default_device()), weight_dtypes(target_model),
+                     str(mx.default_device()), weight_form(target_model),
                      f"mlx{mx.__version__}", f"blas:{loaded_blas()}"])
 
 

@@ -22,6 +22,7 @@ from mlx.utils import tree_flatten
 
 from engine.errors import EngineError, ModelFormatError
 from engine.models import Model, ModelArgs
+from engine.models.decoder import store_column_major
 from engine.weights import (
     QuantSpec,
     TensorInfo,
@@ -356,7 +357,7 @@ def load_weights(
     Backend policy: "metal" and "cuda" keep weights as stored (quantized layers stay
     `nn.QuantizedLinear`/`QuantizedEmbedding`, fp16/bf16 stay so); "cpu" dequantizes them
     and casts every float to float32, because quantized and half-precision matmuls are slow
-    on MLX's CPU backend. `backend` picks the policy (default: the device MLX runs on).
+    on MLX's CPU backend, and holds the matrices column-major (`store_column_major`). `backend` picks the policy (default: the device MLX runs on).
     `memory_budget` (bytes) replaces the measured available memory in the pre-load check.
     `on_progress(done_bytes, total_bytes)` is called after each tensor is read.
     The returned config is config.json with `tie_word_embeddings` as decided.
@@ -382,6 +383,9 @@ def load_weights(
     model.load_weights(list(weights.items()), strict=True)
     model.eval()
     mx.eval(model.parameters())
+    if checked.plan.dequantize:
+        weights.clear()  # the model holds the only reference, so each copy frees its original
+        store_column_major(model)
     config = dict(checked.config)
     config["tie_word_embeddings"] = bool(checked.args.tie_word_embeddings)
     return model, config

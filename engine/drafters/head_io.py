@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from engine.drafters.head import HEAD_ARCHITECTURE, HeadConfig, HeadModel
 from engine.errors import EngineError, HeadError, ModelFormatError
+from engine.models.decoder import store_column_major
 from engine.paths import cache_dir, heads_dir
 from engine.weights import read_safetensors_header, weight_files
 
@@ -191,6 +192,8 @@ def load_head(folder: Path | str, target) -> HeadModel:
     dtype = target.model.embed_tokens.weight.dtype
     head.update(tree_unflatten([(k, v.astype(dtype)) for k, v in got.items()]))
     mx.eval(head.parameters())
+    if target.column_major:  # the CPU policy: a draft step's products as fast as the target's
+        store_column_major(head)
     del header
     return head
 

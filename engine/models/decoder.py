@@ -124,25 +124,12 @@ def rope_frequencies(args: ModelArgs) -> mx.array | None:
     return mx.where(is_medium, smoothed, freqs)
 
 
-NARROW_ROWS = (2, 3)  # row counts where W @ x.T beats x @ W.T on the CPU (measured)
-
-
 class Linear(nn.Linear):
-    """`nn.Linear`, except that a 2- or 3-row input on the CPU is multiplied as W @ x.T.
+    """`nn.Linear` that quantizes to our dispatching `QuantizedLinear`.
 
-    Why: a verify pass feeds 2-3 tokens most of the time. OpenBLAS multiplies x @ W.T with
-    2-3 rows at about 1.3x the cost of one row, because it repacks the whole weight; with the
-    weight as the left operand the same product streams it once, as a one-row product does.
-    Same sums, same result (tests compare). One row and wide inputs keep the usual order.
+    On the CPU policy its weight is held column-major (`store_column_major`); the product is
+    nn.Linear's either way.
     """
-
-    def __call__(self, x: mx.array) -> mx.array:
-        rows = x.size // x.shape[-1]
-        if rows not in NARROW_ROWS or mx.default_device().type != mx.cpu:
-            return super().__call__(x)
-        w = self["weight"]
-        y = (w @ x.reshape(rows, x.shape[-1]).T).T.reshape(*x.shape[:-1], w.shape[0])
-        return y + self["bias"] if "bias" in self else y
 
     def to_quantized(self, group_size: int | None = None, bits: int | None = None,
                      mode: str = "affine", quantize_input: bool = False) -> nn.Module:
@@ -150,6 +137,28 @@ class Linear(nn.Linear):
         if quantize_input:
             return super().to_quantized(group_size, bits, mode, quantize_input)
         return QuantizedLinear.from_linear(self, group_size, bits, mode)
+
+
+def store_column_major(model: nn.Module) -> None:
+    """Hold every float matrix a pass multiplies by (each `nn.Linear` weight, and a tied
+    embedding, which is also the output layer) column-major: the same values and shape,
+    laid out as the transpose's rows. Sets `model.column_major`.
+
+    Why: a layer computes x @ W.T. With W row-major, MLX's CPU backend hands BLAS a
+    transposed operand, and OpenBLAS is much slower on that: on the demo with the system
+    OpenBLAS, a 1-row pass took ~1.2x and a 2-3 row verify pass ~1.4x as long as with W.T
+    row-major, where BLAS reads the weight as stored. Same products: with OpenBLAS the
+    logits are bit-identical (tested). An embedding lookup reads a column-major row as
+    cheaply. Each matrix is copied and released in turn, so loading peaks at one extra one.
+    """
+    tied = "lm_head" not in model and "model" in model and "embed_tokens" in model["model"]
+    for _, module in model.named_modules():
+        if isinstance(module, nn.Linear) or (tied and module is model["model"]["embed_tokens"]):
+            if "scales" in module or not mx.issubdtype(module.weight.dtype, mx.floating):
+                continue
+            module.weight = mx.contiguous(module.weight.T).T
+            mx.eval(module.weight)
+    model.column_major = True
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -283,6 +292,8 @@ class Backbone(nn.Module):
 
 class Model(nn.Module):
     """Token ids (B, L) -> logits (B, L, vocab)."""
+
+    column_major = False  # its matrices laid out by `store_column_major` (a cost key's part)
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()

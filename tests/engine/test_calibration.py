@@ -19,10 +19,11 @@ from engine.calibration import (
     loaded_blas,
     measure_costs,
     save_costs,
-    weight_dtypes,
+    weight_form,
 )
 from engine.decode import ChatSession, GenerateOptions
 from engine.loading import load_model
+from engine.models import Model
 from engine.paths import cache_dir
 from engine.tuning import COST_EMA, CostModel, row_budget
 from tests.fixtures.tiny_models import write_tiny_pair
@@ -73,7 +74,9 @@ def test_the_key_holds_what_changes_costs(tmp_path: Path) -> None:
     assert fields[0] == f"v{CALIBRATION_FORMAT}"
     assert fields[1:4] == [str(target), str(draft), "skip1"]
     assert fields[4] == "Device(cpu, 0)"
-    assert fields[5] == weight_dtypes(model) == "float32"  # the CPU policy's weights
+    assert fields[5] == weight_form(model) == "float32/col-major"  # the CPU policy's weights
+    # a table timed with the checkpoint's own layout (before this policy) is not reused
+    assert weight_form(Model(model.args)) == "float32"
     assert fields[6].startswith("mlx0.")
     assert fields[7] == f"blas:{loaded_blas()}"
     assert calibration_key(target, model, None, None) != key
