@@ -146,8 +146,9 @@ def store_column_major(model: nn.Module) -> None:
 
     Why: a layer computes x @ W.T. With W row-major, MLX's CPU backend hands BLAS a
     transposed operand, and OpenBLAS is much slower on that: on the demo with the system
-    OpenBLAS, a 1-row pass took ~1.2x and a 2-3 row verify pass ~1.4x as long as with W.T
-    row-major, where BLAS reads the weight as stored. Same products: with OpenBLAS the
+    OpenBLAS, a 1-row pass took ~1.25x and a 2-3 row pass ~1.2x as long as with W.T
+    row-major, where BLAS reads the weight as stored (and ~1.45x with the W @ x.T order
+    for 2-3 rows that this replaces). Same products: with OpenBLAS the
     logits are bit-identical (tested). An embedding lookup reads a column-major row as
     cheaply. Each matrix is copied and released in turn, so loading peaks at one extra one.
     """
