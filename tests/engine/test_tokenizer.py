@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
@@ -271,15 +271,23 @@ def demo_tokenizer(demo_model_dir: Path) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def oracle(demo_gguf_path: Path) -> Any:
-    """transformers' own GGUF tokenizer builder (it needs no torch for this part)."""
+    """transformers' own GGUF tokenizer builder (it needs no torch for this part), with the
+    pre-tokenizer SmolLM2's published tokenizer.json declares: the builder does not know the
+    GGUF's "smollm" pre-type and splits with ByteLevel alone, so it keeps a space joined to
+    a non-ASCII numeral (" ²") that SmolLM2's own tokenizer and llama.cpp split off."""
     mapping = pytest.importorskip("transformers.integrations.gguf.gguf_tokenizer_mapping")
     import mlx.core as mx
+    from tokenizers import pre_tokenizers
 
     _, meta = mx.load(str(demo_gguf_path), return_metadata=True)
+    assert meta["tokenizer.ggml.pre"] == "smollm"
     backend, _ = mapping.convert_gguf_tokenizer("llama", {
         "tokenizer_type": "gpt2", "pre_tokenizer_type": meta["tokenizer.ggml.pre"],
         "tokens": meta["tokenizer.ggml.tokens"], "merges": meta["tokenizer.ggml.merges"],
         "token_type": meta["tokenizer.ggml.token_type"].tolist()})
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
     return backend
 
 
@@ -327,6 +335,8 @@ def test_demo_chat_prompt(demo_tokenizer: Tokenizer) -> None:
 @pytest.mark.slow
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=st.text(st.characters(blacklist_categories=("Cs",)), max_size=40))
+@example(text=" ²")  # a space before a non-ASCII numeral: found by a random draw in CI
+@example(text="x ³ in 1999, ½")
 def test_demo_ids_match_transformers(demo_tokenizer: Tokenizer, oracle: Any, text: str) -> None:
     assert demo_tokenizer.encode(text) == oracle.encode(text, add_special_tokens=False).ids
 
