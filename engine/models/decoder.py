@@ -148,9 +148,9 @@ def store_column_major(model: nn.Module) -> None:
     transposed operand, and OpenBLAS is much slower on that: on the demo with the system
     OpenBLAS, a 1-row pass took ~1.25x and a 2-3 row pass ~1.2x as long as with W.T
     row-major, where BLAS reads the weight as stored (and ~1.45x with the W @ x.T order
-    for 2-3 rows that this replaces). Same products: with OpenBLAS the
-    logits are bit-identical (tested). An embedding lookup reads a column-major row as
-    cheaply. Each matrix is copied and released in turn, so loading peaks at one extra one.
+    for 2-3 rows that this replaces). Same products: with OpenBLAS the logits are
+    bit-identical (tested). An embedding lookup reads a column-major row as cheaply. Each
+    matrix is copied and released in turn, so loading peaks at one extra one.
     """
     tied = "lm_head" not in model and "model" in model and "embed_tokens" in model["model"]
     for _, module in model.named_modules():

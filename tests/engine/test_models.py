@@ -221,7 +221,7 @@ def test_column_major_matrices_give_the_same_logits_bit_for_bit(
     operand orders differently in the last bits."""
     laid_out, _ = load_weights(model_dirs[case], backend="cpu")
     plain = Model(laid_out.args)
-    plain.update(tree_map(lambda w: mx.contiguous(w), laid_out.parameters()))
+    plain.update(tree_map(mx.contiguous, laid_out.parameters()))
     mx.eval(plain.parameters())
     assert is_column_major(laid_out.model.layers[0].mlp.up_proj.weight)
     assert not is_column_major(plain.model.layers[0].mlp.up_proj.weight)
