@@ -12,6 +12,7 @@ use. No Qt: the CLI and the app's Diagnostics pane both show `DoctorReport.lines
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from engine.blas_core import ENV, better_core, corename, cpu_flags
 from engine.loading import default_backend
 from engine.paths import app_data_dir
 from kernels import dispatch, selftest
@@ -105,12 +107,24 @@ def blas_info() -> BlasInfo | None:
                        and "scipy_openblas" not in line})
         openblas = [p for p in libs if "openblas" in p]
         if openblas:
-            name, path = "OpenBLAS (preloaded)", openblas[0]
+            name, path = f"OpenBLAS (preloaded), {_kernels_said()}", openblas[0]
         elif libs:
             name, path = "reference BLAS bundled with the mlx wheel (slow)", libs[0]
         else:
             name, path = "unknown", None
     return BlasInfo(name, path, _matmul_gflops())
+
+
+def _kernels_said() -> str:
+    """Which kernels OpenBLAS runs, who chose them, and a hint where it fell back."""
+    core = corename()
+    if os.environ.get(ENV):
+        return f"{core} kernels ({ENV}={os.environ[ENV]})"
+    better = better_core(core, cpu_flags())
+    if better:
+        return (f"{core} kernels: OpenBLAS does not know this CPU; set {ENV}={better} "
+                "(the understudy launcher does) for 2-5x faster multi-row products")
+    return f"{core} kernels (OpenBLAS's own choice)"
 
 
 def _matmul_gflops(n: int = 512, repeats: int = 5) -> float:

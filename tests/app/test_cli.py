@@ -256,8 +256,12 @@ def test_launcher_preloads_openblas(chain: Path, tmp_path: Path, no_reexec: bool
     if openblas_path() is None:
         pytest.skip("system OpenBLAS (libopenblas0-pthread) is not installed")
     env = {k: v for k, v in os.environ.items()
-           if k not in ("LD_PRELOAD", "UNDERSTUDY_NO_REEXEC")}
+           if k not in ("LD_PRELOAD", "UNDERSTUDY_NO_REEXEC", "OPENBLAS_CORETYPE")}
     env["UNDERSTUDY_DATA_DIR"] = str(tmp_path)
+    # the kernels OpenBLAS would fall back to here, asked in a process of its own
+    wanted = subprocess.run([sys.executable, "-m", "engine.blas_core", str(openblas_path())],
+                            cwd=REPO, env=env, capture_output=True, text=True,
+                            check=True).stdout.split()
     if no_reexec:
         env["UNDERSTUDY_NO_REEXEC"] = "1"
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "chat", "--model", str(chain)],
@@ -277,6 +281,8 @@ def test_launcher_preloads_openblas(chain: Path, tmp_path: Path, no_reexec: bool
     else:  # the environment of the re-executed image, set by the launcher
         assert len(preload) == 1 and b"libopenblas" in preload[0]
         assert b"UNDERSTUDY_NO_REEXEC=1" in environ
+    core = sorted(e.decode() for e in environ if e.startswith(b"OPENBLAS_CORETYPE="))
+    assert core == ([] if no_reexec else wanted)
 
 
 @pytest.mark.slow

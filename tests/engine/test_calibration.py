@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from engine.bench import describe_corrections, describe_padding
+from engine.blas_core import corename
 from engine.calibration import (
     CALIBRATION_FORMAT,
     CALIBRATION_WIDTHS,
     CalibrationWarning,
+    blas_in_use,
     calibration_key,
     load_or_measure_costs,
     loaded_blas,
@@ -78,7 +80,10 @@ def test_the_key_holds_what_changes_costs(tmp_path: Path) -> None:
     # a table timed with the checkpoint's own layout (before this policy) is not reused
     assert weight_form(Model(model.args)) == "float32"
     assert fields[6].startswith("mlx0.")
-    assert fields[7] == f"blas:{loaded_blas()}"
+    assert fields[7] == f"blas:{blas_in_use()}"
+    assert blas_in_use().startswith(loaded_blas())
+    if "openblas" in loaded_blas():  # the kernels it runs change every width's cost
+        assert blas_in_use() == f"{loaded_blas()}@{corename()}" and corename()
     assert calibration_key(target, model, None, None) != key
 
 

@@ -18,7 +18,6 @@ import pytest
 from mlx.utils import tree_map
 
 from engine.cache import make_caches
-from engine.calibration import loaded_blas
 from engine.loading import load_weights
 from engine.models import ModelArgs
 from engine.models.decoder import Linear, Model
@@ -213,12 +212,13 @@ def test_the_cpu_policy_holds_every_matrix_column_major(
 
 
 @pytest.mark.parametrize("case", ["llama-gqa-tied", "qwen2-bias", "llama-mha-untied"])
-def test_column_major_matrices_give_the_same_logits_bit_for_bit(
+def test_column_major_matrices_give_the_same_logits(
         model_dirs: dict[str, Path], case: str) -> None:
     """The layout changes what a pass costs, not what it computes: prefill and verify-style
-    chunks of 1, 2, 3 and 9 rows, against the same weights held row-major. With OpenBLAS
-    (what the README installs) bit for bit; MLX's bundled reference BLAS rounds the two
-    operand orders differently in the last bits."""
+    chunks of 1, 2, 3 and 9 rows, against the same weights held row-major, agree to float32
+    rounding and pick the same tokens. (OpenBLAS's Prescott kernels happen to sum both
+    operand orders alike, bit for bit; its SkylakeX kernels and MLX's bundled reference BLAS
+    differ in the last bits.)"""
     laid_out, _ = load_weights(model_dirs[case], backend="cpu")
     plain = Model(laid_out.args)
     plain.update(tree_map(mx.contiguous, laid_out.parameters()))
@@ -231,7 +231,6 @@ def test_column_major_matrices_give_the_same_logits_bit_for_bit(
         caches = make_caches(model.n_layers)
         outs.append([model(tokens[:, a:b], cache=caches)
                      for a, b in ((0, 2), (2, 3), (3, 5), (5, 8), (8, 17))])
-    exact = "openblas" in loaded_blas()
     for got, want in zip(*outs, strict=True):
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
-        assert mx.array_equal(got, want).item() or not exact
+        assert mx.array_equal(got.argmax(-1), want.argmax(-1)).item()

@@ -40,13 +40,23 @@ def test_cli_process_has_openblas_when_installed(tmp_path: Path) -> None:
     """The launcher preloads the system OpenBLAS and doctor says so (Linux with the package)."""
     if not Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0").exists():
         pytest.skip("system OpenBLAS (libopenblas0-pthread) not installed")
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD",
-                                                             "UNDERSTUDY_NO_REEXEC")}
+    lib = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LD_PRELOAD", "UNDERSTUDY_NO_REEXEC", "OPENBLAS_CORETYPE")}
     env["UNDERSTUDY_DATA_DIR"] = str(tmp_path)
+    # what OpenBLAS would fall back to here, asked in a process of its own
+    forced = subprocess.run([sys.executable, "-m", "engine.blas_core", lib], cwd=REPO,
+                            env=env, capture_output=True, text=True, check=True).stdout.strip()
     proc = subprocess.run([sys.executable, "-m", "app.cli", "doctor"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "BLAS: OpenBLAS (preloaded)" in proc.stdout
+    blas = next(line for line in proc.stdout.splitlines() if line.startswith("BLAS: "))
+    assert blas.startswith("BLAS: OpenBLAS (preloaded), ")
+    if forced:  # the launcher chose the kernels, and doctor names them
+        core = forced.split("=", 1)[1]
+        assert f"{core} kernels (OPENBLAS_CORETYPE={core})" in blas
+    else:
+        assert "(OpenBLAS's own choice)" in blas
 
 
 FAILED = KernelVerdict("verify_sampler", passed=False, reason="token differs (row 3)")
