@@ -187,6 +187,11 @@ class Trainer:
     """AdamW over the head's parameters, with a deterministic batch order."""
 
     def __init__(self, head: HeadModel, samples: Sequence[Sample], options: FitOptions) -> None:
+        # one layout for what is trained, however the head was made: a head loaded for
+        # drafting is column-major on the CPU, a fresh one row-major, and BLAS kernels may
+        # round the two operand orders differently, so a resumed run would drift in the
+        # last bits from an uninterrupted one
+        head.update(tree_map(mx.contiguous, head.trainable_parameters()))
         self.head = head
         self.options = options
         self.samples = list(samples)
