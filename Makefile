@@ -20,13 +20,13 @@ else
 SUDO := sudo
 endif
 
-# The tests preload OpenBLAS as the launcher does, with the kernels it picks where OpenBLAS
-# does not know this CPU (engine/blas_core.py).
 .PHONY: run test setup system-deps lint bench app clean
 
 run: setup
 	$(VENV)/bin/understudy
 
+# The tests preload OpenBLAS as the launcher does, with the kernels it picks where OpenBLAS
+# does not know this CPU (engine/blas_core.py).
 test: setup
 	env QT_QPA_PLATFORM=offscreen $$(test -e $(OPENBLAS) && echo LD_PRELOAD=$(OPENBLAS) && \
 		$(PY) -m engine.blas_core $(OPENBLAS)) $(PY) -m pytest -q

@@ -5,9 +5,9 @@ of everything that changes costs and is known before measuring: the model files,
 drafters timed, the device, the weight dtypes and layout the backend policy produced, the
 MLX version, and (on Linux) the BLAS library actually mapped into the process and the
 kernels OpenBLAS runs — installing the system OpenBLAS makes a 16-token pass ~8x cheaper
-relative to a 1-token one, and an entry timed before that must not be reused after it. Entries carry CALIBRATION_FORMAT: entries of
-another format are ignored and dropped, and a damaged file is set aside with a warning and
-measured again. What the cache cannot know (a busy machine) the cost model corrects live
+relative to a 1-token one, and an entry timed before that must not be reused after it.
+Entries carry CALIBRATION_FORMAT: entries of another format are ignored and dropped, and a
+damaged file is set aside with a warning and measured again. What the cache cannot know (a busy machine) the cost model corrects live
 (`engine.tuning.CostModel`).
 """
 
@@ -84,7 +84,8 @@ def calibration_key(target_path: Path, target_model, draft_path: Path | None,
 def blas_in_use() -> str:
     """The BLAS libraries mapped in, and where OpenBLAS serves MLX the kernels it runs
     ("...libopenblasp-r0.3.21.so@SkylakeX"): on this project's CPUs the SkylakeX kernels
-    run a 16-row pass ~2x and a 256-row one ~5x faster than the Prescott fallback."""
+    make a 16-row demo pass ~1.3x cheaper and a 1-2 row one up to ~15% dearer than the
+    Prescott fallback, so a table timed under one is wrong under the other."""
     core = corename()
     return loaded_blas() + (f"@{core}" if core else "")
 

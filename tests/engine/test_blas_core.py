@@ -15,7 +15,8 @@ from app.cli.launcher import openblas_path
 from engine.blas_core import ENV, better_core, coretype_env, cpu_flags
 
 REPO = Path(__file__).resolve().parents[2]
-AVX512 = frozenset(["fpu", "sse2", "avx", "avx2", "fma", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"])
+AVX512 = frozenset(["fpu", "sse2", "avx", "avx2", "fma", "avx512f", "avx512cd", "avx512bw",
+                    "avx512dq", "avx512vl"])
 AVX2 = frozenset(["fpu", "sse2", "avx", "avx2", "fma"])
 
 
