@@ -36,6 +36,7 @@ class BlasInfo:
     name: str
     path: str | None
     gflops: float
+    kernels: tuple[str, ...] = ()  # which OpenBLAS kernels run, and a hint where it fell back
 
 
 @dataclass
@@ -56,6 +57,7 @@ class DoctorReport:
                        "(float32 512x512 matmul)")
             if self.blas.path:
                 out.append(f"  library: {self.blas.path}")
+            out.extend(f"  {line}" for line in self.blas.kernels)
         if self.backend != "metal":
             out.append("kernels: no Metal: references in use")
             return out
@@ -107,24 +109,27 @@ def blas_info() -> BlasInfo | None:
                        and "scipy_openblas" not in line})
         openblas = [p for p in libs if "openblas" in p]
         if openblas:
-            name, path = f"OpenBLAS (preloaded), {_kernels_said()}", openblas[0]
+            name, path = "OpenBLAS (preloaded)", openblas[0]
         elif libs:
             name, path = "reference BLAS bundled with the mlx wheel (slow)", libs[0]
         else:
             name, path = "unknown", None
-    return BlasInfo(name, path, _matmul_gflops())
+    kernels = _kernels_said() if name.startswith("OpenBLAS") else ()
+    return BlasInfo(name, path, _matmul_gflops(), kernels)
 
 
-def _kernels_said() -> str:
-    """Which kernels OpenBLAS runs, who chose them, and a hint where it fell back."""
+def _kernels_said() -> tuple[str, ...]:
+    """Which kernels OpenBLAS runs, who chose them, and a hint where it fell back (lines of
+    their own: the Diagnostics window does not wrap)."""
     core = corename()
     if os.environ.get(ENV):
-        return f"{core} kernels ({ENV}={os.environ[ENV]})"
+        return (f"core type: {core} ({ENV}={os.environ[ENV]})",)
     better = better_core(core, cpu_flags())
     if better:
-        return (f"{core} kernels: OpenBLAS does not know this CPU; set {ENV}={better} "
-                "(the understudy launcher does) for 2-5x faster multi-row products")
-    return f"{core} kernels (OpenBLAS's own choice)"
+        return (f"core type: {core}, OpenBLAS's fallback: it does not know this CPU",
+                f"  set {ENV}={better} for 2-5x faster multi-row products "
+                "(the understudy launcher does)")
+    return (f"core type: {core} (OpenBLAS's own choice)",)
 
 
 def _matmul_gflops(n: int = 512, repeats: int = 5) -> float:
