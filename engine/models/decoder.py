@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from engine.cache import KVCache
 from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.models.attention import attention
 from engine.models.taps import Capture, FeatureTap, FeatureTaps
 from kernels import dispatch
 
@@ -217,7 +218,7 @@ class Attention(nn.Module):
         q, k = self._rope(q, offset, positions), self._rope(k, offset, positions)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        out = attention(q, k, v, self.scale, mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, heads * head_dim)
         return self.o_proj(out)
 

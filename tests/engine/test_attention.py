@@ -1,0 +1,83 @@
+"""The CPU attention path against MLX's own attention, for every mask the engine passes."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from engine.models.attention import FAST_SOFTMAX_MIN, attention, cpu_attention, softmax_last
+
+
+def _reference(q, k, v, scale, mask):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def _qkv(B: int, H: int, n_kv: int, L: int, S: int, seed: int = 0):
+    mx.random.seed(seed)
+    return (mx.random.normal((B, H, L, 64)), mx.random.normal((B, n_kv, S, 64)),
+            mx.random.normal((B, n_kv, S, 64)))
+
+
+@pytest.mark.parametrize("H,n_kv", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("L,S", [(1, 37), (4, 300), (11, 2048), (48, 48)])
+@pytest.mark.parametrize("masking", ["none", "causal", "bool", "additive", "per-row-batch"])
+def test_cpu_attention_matches_mlx(H: int, n_kv: int, L: int, S: int, masking: str) -> None:
+    B = 2 if masking == "per-row-batch" else 1
+    q, k, v = _qkv(B, H, n_kv, L, S)
+    rng = np.random.default_rng(1)
+    keep = rng.random((L, S)) < 0.7
+    keep[np.arange(L), S - L + np.arange(L)] = True  # every row sees at least its own key
+    mask = {"none": None, "causal": "causal" if L > 1 else None,
+            "bool": mx.array(keep),
+            "additive": mx.array(np.where(keep, 0.0, -1e9).astype(np.float32)),
+            # the batched data generator's shape: (B, 1, L, S), rows padded differently
+            "per-row-batch": mx.array(np.stack([keep, np.roll(keep, 1, axis=1) | keep])[:, None]),
+            }[masking]
+    scale = 1 / math.sqrt(64)
+    want = _reference(q, k, v, scale, mask)
+    got = cpu_attention(q, k, v, scale, mask)
+    assert got.shape == want.shape
+    err = mx.abs(got - want).max().item()
+    assert err < 2e-5, err
+    if (L, S) == (11, 2048):  # the fused softmax ran here, not mx.softmax
+        assert B * H * L * S >= FAST_SOFTMAX_MIN
+
+
+def test_softmax_last_matches_precise_softmax_and_keeps_masked_keys_at_zero() -> None:
+    mx.random.seed(3)
+    scores = mx.random.normal((3, 40, 512)) * 30  # wide logits: rows from flat to one-hot
+    dropped = mx.random.uniform(shape=scores.shape) < 0.4
+    scores = mx.where(dropped, -mx.inf, scores)
+    want = np.array(mx.softmax(scores, axis=-1, precise=True))
+    got = np.array(softmax_last(scores))
+    assert scores.size >= FAST_SOFTMAX_MIN
+    assert np.abs(got - want).max() < 1e-6
+    assert (got[np.array(dropped)] == 0).all()  # masked keys weigh exactly nothing
+    np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
+    # negative control: a softmax off by 1e-4 in its exponent fails the same bound
+    off = np.array(mx.softmax(scores * (1 + 1e-4), axis=-1, precise=True))
+    assert np.abs(off - want).max() > 1e-6
+
+
+def test_softmax_last_gradient_matches_mx_softmax() -> None:
+    mx.random.seed(4)
+    x = mx.random.normal((2, 64, 200)) * 4
+    w = mx.random.normal(x.shape)
+    want = mx.grad(lambda s: (mx.softmax(s, axis=-1) * w).sum())(x)
+    got = mx.grad(lambda s: (softmax_last(s) * w).sum())(x)
+    assert mx.abs(got - want).max().item() < 1e-6 * max(1.0, mx.abs(want).max().item()) * 10
+
+
+def test_attention_uses_the_cpu_path_on_the_cpu_backend() -> None:
+    q, k, v = _qkv(1, 9, 3, 11, 700)
+    got = attention(q, k, v, 0.125, "causal")
+    assert mx.array_equal(got, cpu_attention(q, k, v, 0.125, "causal")).item()
+
+
+def test_unknown_string_mask_is_an_error() -> None:
+    q, k, v = _qkv(1, 4, 4, 2, 5)
+    with pytest.raises(ValueError, match="unknown attention mask 'sliding'"):
+        cpu_attention(q, k, v, 0.125, "sliding")
