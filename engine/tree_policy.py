@@ -2,31 +2,38 @@
 
 A tree's extra nodes widen the verify pass. On this CPU width 8 costs about 1.3-1.5x
 width 1, so a second candidate at a shallow depth is often worth its row and a deep bushy
-tree is not. Expected committed tokens are computable per node: with chain acceptance a
-(per depth) and b the chance that an alternative child is right when its older sibling was
-wrong, the l-th node of a branch forking at depth d adds a^(d-1) (1-a) b a^(l-1) tokens.
-`prune_tree` ranks nodes by that gain and keeps the prefix of the ranking with the most
-expected tokens per second (a chain when no prefix pays). `TreeStats` learns b from
-verified trees.
+tree is not. Expected committed tokens are computable per node: each node's chance to be
+accepted is its parent's times the chance it wins there. A first child wins with the
+chain's acceptance a, or — where rivals with a score gap stand beside it, a *contested*
+node — with h, learned from verified trees per gap band of the closest rival: a close
+rival means the drafter itself was unsure, and there its pick is right far less often than
+on average (prompt lookup on code edits: 57% at depth 1 where an earlier match continued
+differently, against 92% where they agreed). Any other child wins with (1 - h) b, b the
+chance it is right when its older sibling was wrong. `prune_tree` ranks nodes by that
+chance and keeps the prefix of the ranking with the most expected tokens per second (a
+chain when no prefix pays). `TreeStats` learns h and b.
 
-A model drafter's runner-up carries its score gap: how far below the chain's token it
-scored under the same coupled noise (at T = 0, the log-ratio of their draft
-probabilities). A close call is a likelier win than a distant one (EAGLE-2's point: the
-draft's own confidence predicts acceptance), so b is learned per gap band and the budget
-goes to the close calls at whatever depth they are. Prompt lookup has no scores: one b.
+A runner-up carries its score gap: how far below the chain's token it scored. For a
+model drafter, under the same coupled noise (at T = 0, the log-ratio of their draft
+probabilities); for prompt lookup, how many tokens shorter the earlier match it copies is
+than the chain's (a match as long as the chain's is a real fork in the text, one token of
+match is a guess). A close call is a likelier win than a distant one (EAGLE-2's point:
+the draft's own confidence predicts acceptance), so b is learned per gap band, per
+drafter, and the budget goes to the close calls at whatever depth they are.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.drafters.base import Draft
 from engine.tree import ROOT, DraftTree
-from engine.tuning import K_MAX, AcceptanceEstimate, CostModel, expected_tokens
+from engine.tuning import K_MAX, AcceptanceEstimate, CostModel
 
 ALT_PRIOR = 0.35  # prior chance an alternative child is right after its sibling missed
+# prior chance a contested node's first child wins, by the gap band of its closest rival
+HELD_PRIORS = (0.55, 0.7, 0.8, 0.9)
 # score-gap bands of a runner-up (upper edges) and the prior chance it wins in each
 GAP_EDGES = (0.5, 1.5, 3.0)
 GAP_PRIORS = (0.45, 0.3, 0.15, 0.05)
@@ -39,10 +46,14 @@ def gap_band(gap: float) -> int:
 
 @dataclass
 class TreeStats:
-    """How often an alternative child was accepted where the first child was rejected:
-    per score-gap band for runner-ups that carry a gap, one figure for those that do not."""
+    """How often a contested node's first child won (`held`, per gap band of its closest
+    scored rival), and how often an alternative child was accepted where the first child
+    was rejected: per score-gap band for runner-ups that carry a gap, one figure for those
+    that do not."""
 
     alt: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(ALT_PRIOR))
+    held: list[AcceptanceEstimate] = field(
+        default_factory=lambda: [AcceptanceEstimate(p) for p in HELD_PRIORS])
     by_gap: list[AcceptanceEstimate] = field(
         default_factory=lambda: [AcceptanceEstimate(p) for p in GAP_PRIORS])
     trees: int = 0
@@ -52,10 +63,17 @@ class TreeStats:
         sibling lost."""
         return self.alt.alpha if gap is None else self.by_gap[gap_band(gap)].alpha
 
+    def holds(self, gaps: Sequence[float | None]) -> float | None:
+        """The chance a first child wins beside rivals with these gaps (None: no rival
+        carries one, and the chain's acceptance stands)."""
+        scored = [g for g in gaps if g is not None]
+        return self.held[gap_band(min(scored))].alpha if scored else None
+
     def observe(self, tree: DraftTree, path: tuple[int, ...],
                 gaps: Sequence[float | None] | None = None) -> None:
-        """One verified tree: at each node the walk reached whose first child lost, did
-        another child win (which one, for children with a score gap)?"""
+        """One verified tree: at each node the walk reached with several children, did the
+        first win (beside rivals with a score gap), and where it lost, did another (which
+        one, for children with a score gap)?"""
         if tree.is_chain:
             return
         self.trees += 1
@@ -64,6 +82,10 @@ class TreeStats:
         for depth in range(len(path) + 1):
             kids = children.get(node, ())
             taken = path[depth] if depth < len(path) else None
+            rivals = [gaps[kid] for kid in kids[1:]] if gaps is not None else []
+            if any(g is not None for g in rivals):
+                closest = min(g for g in rivals if g is not None)
+                self.held[gap_band(closest)].update(1, int(taken == kids[0]))
             if len(kids) > 1 and taken != kids[0]:
                 scored = [kid for kid in kids[1:] if gaps is not None and gaps[kid] is not None]
                 for kid in scored:
@@ -75,36 +97,31 @@ class TreeStats:
             node = taken
 
 
-def _branches(tree: DraftTree) -> list[tuple[int, list[int]]]:
-    """(fork depth, node indices) of every branch after the main chain, in DFS order."""
-    out: list[tuple[int, list[int]]] = []
-    for i, p in enumerate(tree.parents):
-        if i < tree.first_chain():
-            continue
-        if p != i - 1:
-            out.append((tree.depths[i], [i]))
-        else:
-            out[-1][1].append(i)
-    return out
-
-
 def prune_tree(tree: DraftTree, alpha: float, alt: float, costs: CostModel | None,
-               draft_s: float = 0.0, limit: int = K_MAX + 1) -> DraftTree:
+               draft_s: float = 0.0, limit: int = K_MAX + 1,
+               held: float | None = None) -> DraftTree:
     """The subtree with the best expected tokens per second: the main chain plus the
     branch nodes that pay for their rows (a chain when none does), every alternative child
     priced alike (`alt`: its chance to win where its older sibling lost). Widths are
     priced as they will run under a row budget of `limit` (`CostModel.verify`)."""
-    return subtree(tree, kept_nodes(tree, alpha, [alt] * len(tree), costs, draft_s, limit))
+    chances = [alt] * len(tree)
+    holds = None if held is None else {p: held for p, kids in tree.children.items()
+                                       if len(kids) > 1}
+    return subtree(tree, kept_nodes(tree, alpha, chances, costs, draft_s, limit, holds))
 
 
 def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel | None,
                 draft_s: float = 0.0, limit: int = K_MAX + 1) -> Draft:
     """`prune_tree` for a drafter's tree, each branch priced by its score gap where it has
-    one; the kept nodes keep their gaps (for `TreeStats.observe`). q is dropped: trees
-    are verified under the coupled rule, which does not read it."""
+    one and each contested node by what `stats` learned of them; the kept nodes keep their
+    gaps (for `TreeStats.observe`). q is dropped: trees are verified under the coupled
+    rule, which does not read it."""
     tree = draft.tree
     gaps = draft.gaps or (None,) * len(tree)
-    kept = kept_nodes(tree, alpha, [stats.chance(g) for g in gaps], costs, draft_s, limit)
+    holds = {p: stats.holds([gaps[kid] for kid in kids[1:]])
+             for p, kids in tree.children.items() if len(kids) > 1}
+    kept = kept_nodes(tree, alpha, [stats.chance(g) for g in gaps], costs, draft_s, limit,
+                      {p: h for p, h in holds.items() if h is not None})
     pruned = subtree(tree, kept)
     if pruned.is_chain:
         return Draft(pruned.ids)
@@ -112,43 +129,46 @@ def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel |
     return Draft(pruned.ids, None, pruned.parents, kept_gaps)
 
 
+def arrival(tree: DraftTree, alpha: float, chances: Sequence[float],
+            holds: Mapping[int, float] | None = None) -> list[float]:
+    """Each node's chance to be accepted: its parent's times its chance to win there —
+    for the first child of node p, `holds[p]` where given (p contested), else `alpha`;
+    for any later child i, (1 - that) * chances[i]."""
+    holds = holds or {}
+    children = tree.children
+    out: list[float] = []
+    for i, p in enumerate(tree.parents):
+        first_wins = holds.get(p, alpha)
+        win = first_wins if children[p][0] == i else (1 - first_wins) * chances[i]
+        out.append((1.0 if p == ROOT else out[p]) * win)
+    return out
+
+
 def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
                costs: CostModel | None, draft_s: float = 0.0,
-               limit: int = K_MAX + 1) -> set[int]:
+               limit: int = K_MAX + 1, holds: Mapping[int, float] | None = None) -> set[int]:
     """The nodes worth their rows (each with its parent kept); `chances[i]`: the chance
-    node i wins where its older sibling lost (read for the first node of each branch)."""
+    node i wins where its older sibling lost; `holds[p]`: the chance contested node p's
+    first child wins (see `arrival`)."""
     n_main = tree.first_chain()
     if n_main == len(tree) or costs is None:
         return set(range(len(tree)))
-    tokens = expected_tokens(alpha, n_main)
-    seconds = n_main * draft_s + costs.verify(n_main + 1, limit)
-    heap: list[tuple[float, int, int, int]] = []  # (-gain, branch, position in branch, node)
-    branches = _branches(tree)
-    for b, (depth, nodes) in enumerate(branches):
-        reach = alpha ** (depth - 1) * (1 - alpha) * chances[nodes[0]]
-        heapq.heappush(heap, (-reach, b, 0, nodes[0]))
-    kept: set[int] = set(range(n_main))
+    reach = arrival(tree, alpha, chances, holds)
+    tokens = 1.0 + sum(reach[:n_main])
     width = n_main + 1
-    # every prefix of the gain order is priced, not only until the first row that does
-    # not pay: the cost curve has steps (a BLAS kernel's row blocking, a GPU's SIMD
-    # width), so a row that costs a step can open several that cost nothing
+    seconds = n_main * draft_s + costs.verify(width, limit)
+    # a child never arrives more often than its parent, and a parent comes first in DFS
+    # order, so this ranking keeps every node's parent ahead of it
+    order = sorted(range(n_main, len(tree)), key=lambda i: (-reach[i], i))
+    # every prefix of the ranking is priced, not only until the first row that does not
+    # pay: the cost curve has steps (a BLAS kernel's row blocking, a GPU's SIMD width), so
+    # a row that costs a step can open several that cost nothing
     best_rate, best_n = tokens / seconds, 0
-    order: list[int] = []  # the branch nodes in gain order
-    while heap:
-        neg_gain, b, pos, node = heapq.heappop(heap)
-        parent = tree.parents[node]
-        if parent != ROOT and parent not in kept:
-            continue  # forks off a branch that was not taken
-        tokens -= neg_gain
-        seconds += costs.verify(width + 1, limit) - costs.verify(width, limit)
-        width += 1
-        kept.add(node)
-        order.append(node)
-        if tokens / seconds > best_rate:
-            best_rate, best_n = tokens / seconds, len(order)
-        nodes = branches[b][1]
-        if pos + 1 < len(nodes):
-            heapq.heappush(heap, (neg_gain * alpha, b, pos + 1, nodes[pos + 1]))
+    for n, node in enumerate(order, 1):
+        tokens += reach[node]
+        rate = tokens / (n_main * draft_s + costs.verify(width + n, limit))
+        if rate > best_rate:
+            best_rate, best_n = rate, n
     return set(range(n_main)) | set(order[:best_n])
 
 

@@ -30,7 +30,7 @@ from engine.tree import (
     row_positions,
     validate_tree,
 )
-from engine.tree_policy import ALT_PRIOR, TreeStats, prune_draft, prune_tree
+from engine.tree_policy import ALT_PRIOR, TreeStats, arrival, prune_draft, prune_tree
 from engine.tree_verify import TreeVerdict, commit_path, tree_pass, verify_tree_coupled
 from engine.tuning import EXTRA_NODES, CostModel
 from engine.verify import verify_coupled_logits
@@ -287,6 +287,11 @@ def test_prompt_lookup_branches_where_earlier_matches_diverge() -> None:
     validate_tree(tree, 300, 3 + EXTRA_NODES, 3)
     assert tree.ids[: tree.first_chain()] == (7, 8, 9)  # the most recent match first
     assert tree.ids == (7, 8, 9, 3, 4, 5) and tree.parents == (-1, 0, 1, -1, 3, 4)
+    # the chain follows "0 1 2", the branch only "1 2": a gap of 1 (the chain's nodes have none)
+    assert draft.gaps == (None, None, None, 1.0, 1.0, 1.0)
+    # as long a match as the chain's: gap 0
+    assert drafter.propose_tree([0, 1, 2, 3, 4, 5, 0, 1, 2, 7, 8, 9, 0, 1, 2], 3,
+                                EXTRA_NODES).gaps == (None,) * 3 + (0.0,) * 3
     assert drafter.propose_tree(context, 3, 0).parents is None  # no budget: the chain
     assert drafter.propose_tree(context, 3, 2).ids == (7, 8, 9, 3, 4)
     # one continuation only: a chain
@@ -299,6 +304,8 @@ def test_prompt_lookup_branches_follow_the_last_token_alone() -> None:
     context = [5, 2, 8, 9, 0, 1, 2, 3, 4, 0, 1, 2]
     tree = NgramDrafter().propose_tree(context, 3, EXTRA_NODES).tree
     assert tree.ids == (3, 4, 0, 8, 9, 0) and tree.parents == (-1, 0, 1, -1, 3, 4)
+    # one token of match ("2") against the chain's three ("0 1 2"): a gap of 2
+    assert NgramDrafter().propose_tree(context, 3, EXTRA_NODES).gaps == (None,) * 3 + (2.0,) * 3
     # negative control: branches from two-token suffixes only
     assert NgramDrafter(branch_min_n=2).propose_tree(context, 3, EXTRA_NODES).parents is None
     # and the main chain still needs two tokens of match
@@ -348,6 +355,46 @@ def test_tree_stats_learn_how_often_an_alternative_wins() -> None:
     assert stats.alt.alpha < before
 
 
+def test_tree_stats_learn_how_often_a_contested_first_child_holds() -> None:
+    """Root contested by a rival with gap 0 (node 5), node 0 by one with gap 2 (node 3)."""
+    gaps = (None, None, None, 2.0, 2.0, 0.0)
+    stats = TreeStats()
+    close, far = stats.holds([0.0]), stats.holds([2.0])
+    assert close < far and stats.holds([None]) is None
+    for _ in range(10):
+        stats.observe(TREE, (), gaps)  # the root's first child lost to nobody
+    assert stats.holds([0.0]) < close and stats.holds([2.0]) == far
+    for _ in range(40):
+        stats.observe(TREE, (0, 1), gaps)  # both first children held
+    assert stats.holds([0.0]) > close and stats.holds([2.0]) > far
+    # unscored rivals teach nothing here, and a chain is no contest
+    lone = TreeStats()
+    lone.observe(TREE, (), None)
+    lone.observe(DraftTree.chain((5, 6, 7)), (0, 1, 2))
+    assert lone.holds([0.0]) == close and lone.holds([2.0]) == far
+
+
+def test_prune_prices_a_contested_node_by_how_often_its_first_child_holds() -> None:
+    """A branch under a contested node: with the chain's 90% acceptance standing for the
+    first child there, its sibling rarely gets a turn and the row does not pay; where
+    contested first children were learned to hold 40% of the time, it does. The pricing
+    is the arrival chance of each node, checked against the product by hand."""
+    tree = DraftTree((5, 6, 7, 4, 8), (-1, 0, 1, -1, 3))  # root contested: 5 vs 4
+    reach = arrival(tree, 0.9, [0.6] * 5, {ROOT: 0.4})
+    assert reach == pytest.approx([0.4, 0.4 * 0.9, 0.4 * 0.81, 0.6 * 0.6, 0.36 * 0.9])
+    one_row = CostModel({1: 1.0, 4: 1.0, 5: 1.1, 6: 1.2, 17: 3.0})
+    assert prune_tree(tree, 0.9, 0.6, one_row) == DraftTree.chain((5, 6, 7))
+    assert prune_tree(tree, 0.9, 0.6, one_row, held=0.4) == tree
+    # the same through a drafter's gaps: a close rival (gap 0) after a run of lost contests
+    stats = TreeStats()
+    for _ in range(30):
+        stats.observe(tree, (3, 4), (None, None, None, 0.0, 0.0))
+    draft = Draft(tree.ids, None, tree.parents, (None, None, None, 0.0, 0.0))
+    assert prune_draft(draft, 0.9, stats, one_row).ids == tree.ids
+    assert prune_draft(Draft(tree.ids, None, tree.parents), 0.9, TreeStats(),
+                       one_row).ids == (5, 6, 7)
+
+
 # chain 5 6 7; a depth-2 leaf (8) that came close and a depth-1 leaf (4) that did not
 SCORED = Draft((5, 6, 7, 8, 4), None, (-1, 0, 1, 0, -1), (None, None, None, 0.1, 5.0))
 
@@ -360,7 +407,7 @@ def test_tree_stats_learn_per_gap_band() -> None:
         stats.observe(SCORED.tree, (0, 3), SCORED.gaps)  # the close call at depth 2 won
         stats.observe(SCORED.tree, (), SCORED.gaps)  # the far one at depth 1 lost
     assert stats.chance(0.1) > close and stats.chance(5.0) < far
-    assert stats.chance(None) == unscored  # scored leaves say nothing of prompt lookup's
+    assert stats.chance(None) == unscored  # scored leaves say nothing of unscored ones
 
 
 def test_prune_spends_the_budget_on_the_closest_call() -> None:
