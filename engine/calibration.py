@@ -17,6 +17,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -36,7 +37,12 @@ CALIBRATION_FORMAT = 2  # 1: unversioned entries keyed without BLAS, device or d
 # nodes): past the table a width is extrapolated, and the curve keeps rising past 16 rows
 # here (20 rows 1.3x, 24 rows 1.5x the 16-row pass)
 CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, row_budget(K_MAX))
-BLAS_NAMES = ("blas", "mkl", "blis", "accelerate")  # file names that give a BLAS away
+# file names that give a BLAS away: "lib" and letters, then one of these (libblas,
+# libopenblasp, libflexiblas, libmkl_rt, libblis). Anchored: MLX's own compiled kernels are
+# shared libraries named for their ops (…OMaximumKL_…so, with "mkl" inside), and an
+# unanchored match put one into the key, so every process that compiled a different
+# kernel measured the cost table again
+BLAS_NAME = re.compile(r"lib[a-z]*(blas|mkl|blis|accelerate)", re.IGNORECASE)
 # numpy's and scipy's own OpenBLAS builds export suffixed symbols (`dgemm_64_`), so they
 # never serve MLX; whether numpy was imported first must not split the cache
 PRIVATE_BLAS = ("libscipy_openblas",)
@@ -57,7 +63,7 @@ def loaded_blas(maps: Path = Path("/proc/self/maps")) -> str:
     except OSError:
         return "-"
     names = {Path(line.split()[-1]).name for line in lines if "/" in line}
-    found = sorted(n for n in names if ".so" in n and any(b in n.lower() for b in BLAS_NAMES)
+    found = sorted(n for n in names if ".so" in n and BLAS_NAME.match(n)
                    and not n.startswith(PRIVATE_BLAS))
     return "+".join(found) or "none"
 

@@ -66,6 +66,12 @@ def test_loaded_blas_names_the_libraries_mapped_into_the_process(tmp_path: Path)
     assert preloaded == "libblas-bd8a282c.so.3.10.0+libopenblasp-r0.3.21.so"
     assert loaded_blas(maps_file(tmp_path)) == "none"
     assert loaded_blas(tmp_path / "no-such-maps") == "-"  # macOS: no /proc
+    # MLX's compiled CPU kernels are shared libraries named for their ops: one with "mkl"
+    # inside (OMaximumKL) once split the cache by which kernels a process had compiled
+    jit = ("/tmp/mlx/0.32.4/cpu/libEf4IBroadcastABFf4ISubtractEFHf4IMultiplyHIKf4"
+           "OMaximumKL_VVCC_f4f4_9622215606586221125_strided_2.so")
+    assert loaded_blas(maps_file(tmp_path, REFERENCE_BLAS, OPENBLAS, jit)) == preloaded
+    assert loaded_blas(maps_file(tmp_path, "/opt/intel/lib/libmkl_rt.so.2")) == "libmkl_rt.so.2"
 
 
 def test_the_key_holds_what_changes_costs(tmp_path: Path) -> None:
