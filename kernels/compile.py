@@ -20,9 +20,10 @@ import mlx.core as mx
 F = TypeVar("F", bound=Callable[..., object])
 
 
-def compiled_on_main_thread(fn: F) -> F:
-    """`fn` compiled when called on the main thread, plain `fn` elsewhere."""
-    compiled = mx.compile(fn)
+def compiled_on_main_thread(fn: F, shapeless: bool = False) -> F:
+    """`fn` compiled when called on the main thread, plain `fn` elsewhere. `shapeless`:
+    one trace for every input shape (elementwise functions of a growing array)."""
+    compiled = mx.compile(fn, shapeless=shapeless)
 
     @functools.wraps(fn)
     def call(*args: mx.array):

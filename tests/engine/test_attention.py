@@ -81,3 +81,25 @@ def test_unknown_string_mask_is_an_error() -> None:
     q, k, v = _qkv(1, 4, 4, 2, 5)
     with pytest.raises(ValueError, match="unknown attention mask 'sliding'"):
         cpu_attention(q, k, v, 0.125, "sliding")
+
+
+def test_a_worker_thread_gets_the_same_attention_uncompiled() -> None:
+    """The app decodes on its engine thread, where nothing is compiled (kernels/compile.py):
+    the eager ops must give the very numbers the compiled ones do."""
+    import threading
+
+    q, k, v = _qkv(1, 9, 3, 11, 700)
+    here = cpu_attention(q, k, v, 0.125, "causal")
+    mx.eval(here)
+    there: list[mx.array] = []
+
+    def work() -> None:
+        out = cpu_attention(q, k, v, 0.125, "causal")
+        mx.eval(out)
+        there.append(out)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert mx.abs(there[0] - here).max().item() < 1e-6
+    assert mx.abs(there[0] - _reference(q, k, v, 0.125, "causal")).max().item() < 2e-5
