@@ -51,6 +51,7 @@ from engine.tree_verify import (
 )
 from engine.tuning import EXTRA_NODES, Choice, DraftPolicy, row_budget
 from engine.verify import verify_coupled_logits, verify_rejection
+from kernels.compile import traces
 
 
 def draft_step(drafter: Drafter | None, choice: Choice, context: Sequence[int],
@@ -201,7 +202,7 @@ def speculative_steps(
         choice = carried or policy.choose(context, pending is not None)
         carried = None
         drafter = drafters.get(choice.drafter) if choice.drafter else None
-        t_start = time.perf_counter()
+        t_start, traced = time.perf_counter(), traces()
         if pending is not None and choice.k > 0:
             # drafting from the pending state: commit the pending token first, without
             # queuing a pass for it; it is fed together with the drafts
@@ -248,8 +249,9 @@ def speculative_steps(
             token, prob, pending = pipelined_step(model, caches, pending, context, sampling)
             policy.observe(token)
             t_end = time.perf_counter()
-            # only a step that found its logits pending shows the steady plain cost
-            step_s = t_end - t_start if from_pending else None
+            # only a step that found its logits pending shows the steady plain cost, and
+            # none that traced a compiled function (its kernels may have been JIT-built)
+            step_s = t_end - t_start if from_pending and traces() == traced else None
             policy.update(choice, 0, 0, step_s, 1, step_s, 1)
             yield RawStep([token], [TokenKind.TARGET], [prob], verify_s=t_end - t_drafted,
                           drafter="none", error=error)
@@ -275,7 +277,10 @@ def speculative_steps(
         # the acceptance estimate sees the branch the walk took: a rejection unless it
         # ended at a leaf
         n_branch = n if kinds[-1] is TokenKind.BONUS else n + 1
-        policy.update(choice, n_branch, n, t_end - t_drafted, width, t_end - t_start, n + 1)
+        if traces() == traced:
+            policy.update(choice, n_branch, n, t_end - t_drafted, width, t_end - t_start, n + 1)
+        else:  # the timings include building kernels: acceptance only
+            policy.update(choice, n_branch, n)
         yield RawStep(ids, kinds, probs, n_drafted=len(shape), n_accepted=n,
                       draft_s=t_drafted - t_start, verify_s=t_end - t_drafted,
                       k=choice.k, drafter=choice.drafter or "none", branches=branches)

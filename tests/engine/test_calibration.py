@@ -276,3 +276,27 @@ def test_a_reply_writes_live_corrections_back_to_the_file(
     list(ChatSession(target, draft).generate(messages, opts))
     got = saved_rel()
     assert all(got[w] > stale_rel[w] / 10 for w in CALIBRATION_WIDTHS if w >= 2), got
+
+
+def test_a_step_that_traced_a_compiled_function_leaves_the_costs_alone(
+        data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trace may JIT-build kernels (~0.4 s each on a fresh machine's CPU backend): a step
+    that traced is timed as that, not as its pass width's cost — taken as a probe's timing
+    it kept a stale table from being corrected (the first pass of each width traces)."""
+    target_dir, draft_dir = write_tiny_pair(tmp_path / "models", hidden_size=128,
+                                            num_hidden_layers=4, intermediate_size=256)
+    target, draft = load_model(str(target_dir)), load_model(str(draft_dir))
+    opts = GenerateOptions(max_tokens=16, drafter="model", tree="off")
+    messages = [{"role": "user", "content": "hello there"}]
+
+    def timed_widths(counter) -> set[int]:
+        monkeypatch.setattr("engine.speculative.traces", counter)
+        session = ChatSession(target, draft)
+        list(session.generate(messages, opts))
+        assert session.costs is not None
+        return {w for w in CALIBRATION_WIDTHS if session.costs.tested(w)}
+
+    calls = iter(range(10**6))
+    assert timed_widths(lambda: next(calls)) == set()  # every step traced: nothing timed
+    # negative control: no step traced, so the same reply times its passes
+    assert timed_widths(lambda: 0)
