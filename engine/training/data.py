@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.cache import make_caches
 from engine.errors import EngineError
+from kernels.compile import compiled_on_main_thread
 
 TOP_K = 16
 PREFILL_CHUNK = 8  # positions per pass when reading prompts (see `read_positions`)
@@ -144,7 +145,7 @@ def _topk(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
     return ids.astype(mx.int32), mx.exp(vals - mx.logsumexp(logits, axis=-1, keepdims=True))
 
 
-_topk_compiled = mx.compile(_topk)
+_topk_compiled = compiled_on_main_thread(_topk)  # the app's engine thread runs it eager
 
 
 def topk_probs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
