@@ -277,10 +277,10 @@ def speculative_steps(
         # the acceptance estimate sees the branch the walk took: a rejection unless it
         # ended at a leaf
         n_branch = n if kinds[-1] is TokenKind.BONUS else n + 1
-        if traces() == traced:
-            policy.update(choice, n_branch, n, t_end - t_drafted, width, t_end - t_start, n + 1)
-        else:  # the timings include building kernels: acceptance only
-            policy.update(choice, n_branch, n)
+        # a step that traced timed its kernels' building too: acceptance only
+        pass_s, step_s = ((t_end - t_drafted, t_end - t_start) if traces() == traced
+                          else (None, None))
+        policy.update(choice, n_branch, n, pass_s, width, step_s, n + 1)
         yield RawStep(ids, kinds, probs, n_drafted=len(shape), n_accepted=n,
                       draft_s=t_drafted - t_start, verify_s=t_end - t_drafted,
                       k=choice.k, drafter=choice.drafter or "none", branches=branches)
