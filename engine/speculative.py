@@ -53,6 +53,9 @@ from engine.tuning import EXTRA_NODES, Choice, DraftPolicy, row_budget
 from engine.verify import verify_coupled_logits, verify_rejection
 from kernels.compile import traces
 
+PAUSE_SHARE = 0.25  # of a 1-token pass: a longer wait for the consumer is a pause
+PAUSE_FALLBACK_S = 0.02  # ... the pass's cost where no cost model says it
+
 
 def draft_step(drafter: Drafter | None, choice: Choice, context: Sequence[int],
                sampling: SamplingParams, accept: str, tree_extra: int = 0) -> Draft:
@@ -198,6 +201,9 @@ def speculative_steps(
     pending = logits
     tree_extra = EXTRA_NODES if tree == "auto" and accept == "coupled" else 0
     carried: Choice | None = None  # the choice a pending read was made for, kept past it
+    # whether the pending pass may have finished while the loop was not running (the
+    # caller evaluated it, or held the loop): then a plain step times only its host work
+    paused = True
     while True:
         choice = carried or policy.choose(context, pending is not None)
         carried = None
@@ -249,12 +255,20 @@ def speculative_steps(
             token, prob, pending = pipelined_step(model, caches, pending, context, sampling)
             policy.observe(token)
             t_end = time.perf_counter()
-            # only a step that found its logits pending shows the steady plain cost, and
-            # none that traced a compiled function (its kernels may have been JIT-built)
-            step_s = t_end - t_start if from_pending and traces() == traced else None
+            # only a step that found its logits pending, and still being computed, shows
+            # the steady plain cost; none that traced a compiled function does either (its
+            # kernels may have been JIT-built)
+            steady = from_pending and not paused and traces() == traced
+            step_s = t_end - t_start if steady else None
             policy.update(choice, 0, 0, step_s, 1, step_s, 1)
+            t_out = time.perf_counter()
             yield RawStep([token], [TokenKind.TARGET], [prob], verify_s=t_end - t_drafted,
                           drafter="none", error=error)
+            # a consumer that held the loop (`understudy bench` runs another reply's turn
+            # here, then waits for every queued pass) lets the queued pass finish: the
+            # next step would time ~1 ms of host work as a whole plain pass
+            paused = time.perf_counter() - t_out > PAUSE_SHARE * (
+                costs.verify(1) if costs is not None else PAUSE_FALLBACK_S)
             continue
         shape = draft.tree
         width = len(shape) + 1

@@ -552,3 +552,50 @@ def test_a_right_guess_keeps_the_draft_it_read_the_pending_token_for(target: Loa
     assert policy.calls == 1  # the second step's choice was carried from the first
     # verified: the caches stop before the newest token; a plain step has fed it too
     assert cache_length(caches) == len(context) - (1 if right else 0)
+
+
+class PlainPolicy:
+    """Plain steps only, recording the step timings the loop reports."""
+
+    costs = None
+
+    def __init__(self) -> None:
+        self.memory = PolicyMemory()
+        self.timings: list[float | None] = []
+
+    def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
+        return Choice(None, 0)
+
+    def observe(self, token: int) -> None:
+        return None
+
+    def update(self, choice: Choice, n_drafted: int, n_accepted: int,
+               seconds: float | None = None, width: int | None = None,
+               step_seconds: float | None = None, n_tokens: int = 0) -> None:
+        self.timings.append(step_seconds)
+
+
+@pytest.mark.parametrize("pause", [True, False])
+def test_a_plain_step_after_the_consumer_paused_the_loop_is_not_timed(
+        target: LoadedModel, pause: bool) -> None:
+    """`understudy bench` runs another reply's turn between two steps and waits for every
+    queued pass: the next plain step then only reads a finished pass, and timed, that ~1 ms
+    would price a 1-token pass far too low. So a plain step is timed only when the step
+    before it handed over promptly (and never the first: prefill's logits are ready)."""
+    model = target.model
+    context = list(range(12))
+    caches = make_caches(model.n_layers)
+    *_, (_, logits) = prefill(model, context, caches, 512)
+    policy = PlainPolicy()
+    steps = speculative_steps(model, caches, context, logits, SamplingParams(), "coupled",
+                              {}, policy)
+    for _ in range(6):
+        next(steps)
+        if pause:
+            mx.synchronize()
+            threading.Event().wait(0.05)  # longer than PAUSE_FALLBACK_S
+    assert policy.timings[0] is None
+    if pause:
+        assert policy.timings == [None] * 6
+    else:  # negative control: handed over at once, so every later step is timed
+        assert all(t is not None and t > 0 for t in policy.timings[1:])
