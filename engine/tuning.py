@@ -25,7 +25,11 @@ PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
                     # prompt lookup, by matched suffix length: longer matches copy better
                     "ngram2": 0.1, "ngram3": 0.25, "ngram4": 0.55}
 OPTIMISTIC_ACCEPTANCE = 0.8  # a drafter that cannot pay even at this rate is never probed
-DRAFT_MARGIN = 0.15
+DRAFT_MARGIN = 0.15  # how much drafting must beat plain steps by, by the cost model ...
+# ... once a drafter's steps have been timed against what the model priced them at
+PROVEN_MARGIN = 0.03
+OVERHEAD_MIN_STEPS = 4  # timed steps of a drafter before its overhead factor is used
+OVERHEAD_RANGE = (0.8, 4.0)  # a drafter's factor, clamped
 # a pass is padded to a wider width only when that width's pass is this much cheaper:
 # less is within the noise of a timing, and a padded pass holds more cache rows
 PAD_MARGIN = 0.05
@@ -40,7 +44,10 @@ COST_PROBES = True  # verify untested widths now and then (off only for a negati
 PROBE_SHARE = 0.05  # cost probes may take about this share of decode time
 PROBE_DRAFT_PASSES = 2.0  # a cost probe drafts at most this many target passes' worth
 CONFIRM_TIMINGS = 2  # live timings of a width before probes take the table's word for it
-GUARD_MIN_STEPS = 2  # steps of a drafter before its realized speed can bench it
+GUARD_MIN_STEPS = 32  # steps of a drafter before its realized speed can bench it
+GUARD_SLACK = 0.03  # ... once it loses to plain steps by more than this
+REALIZED_DECAY = 0.97  # per step, of the seconds and tokens in a realized speed
+OVERHEAD_DECAY = 0.9  # per step, of the seconds in a step overhead
 GUARD_RETRY = 1024  # steps after which a benched drafter gets one more chance (a losing
 # probe of a drafter that costs half a target pass per token wastes a few steps)
 
@@ -224,8 +231,16 @@ class CostModel:
 
     def _points(self) -> list[tuple[int, float]]:
         """The (width, seconds) table, sorted. Not made monotone: a dip at a wider width is
-        what padding uses, and it prices every narrower width at most at the dip."""
-        return sorted(self.verify_s.items())
+        what padding uses, and it prices every narrower width at most at the dip.
+
+        A multi-token width not timed since the anchor follows width 1's smoothed drift:
+        plain steps time width 1 all the time, and a table whose width 1 has eased 12%
+        (within DRIFT_FRACTION) while its 2-token entry stayed put priced a 2-token pass
+        at 1.34x a 1-token one instead of 1.18x, which kept a head that pays from ever
+        running (and timing) one."""
+        scale = math.exp(self._drift)
+        return sorted((w, s * scale if w > 1 and w not in self._timings else s)
+                      for w, s in self.verify_s.items())
 
 
 def row_budget(k: int) -> int:
@@ -270,15 +285,17 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
-           pending: bool = False, guessed: bool = False) -> tuple[int, float]:
+           pending: bool = False, guessed: bool = False,
+           margin: float = DRAFT_MARGIN, overhead: float = 1.0) -> tuple[int, float]:
     """The K in [0, k_max] with the highest expected tokens/s, and that rate.
 
     `pending`: the target's logits for the next position are in flight, so drafting first
     reads that token and loses the overlap a pipelined plain step has (`overlap_s`).
     `guessed`: the draft begins with a guess of that pending token (prompt lookup), so its
     K further tokens are verified only when the guess was right (probability alpha); a
-    wrong guess leaves a plain step. Drafting must also beat plain by DRAFT_MARGIN, which
-    covers the per-step work the pipelined plain path hides.
+    wrong guess leaves a plain step. `overhead`: what the drafter's steps have been measured
+    to take over their price here (`StepOverhead`). Drafting must also beat plain by
+    `margin`, which covers what the model does not see.
     """
     # widths[w]: one pass of width w, as a step with w - 1 drafts runs it (padded within
     # its row budget)
@@ -287,14 +304,14 @@ def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
     extra = costs.overlap_s if pending or guessed else 0.0
     best = (0, plain)
     for k in range(1, k_max + 1):
-        tokens, seconds = expected_tokens(alpha, k), k * draft_s + widths[k + 1]
+        tokens, seconds = expected_tokens(alpha, k), (k * draft_s + widths[k + 1]) * overhead
         if guessed:
             tokens = alpha * tokens + (1.0 - alpha)
             seconds = alpha * seconds + (1.0 - alpha) * widths[1]
         rate = tokens / (seconds + extra)
         if rate > best[1]:
             best = (k, rate)
-    if best[0] and best[1] < plain * (1.0 + DRAFT_MARGIN):
+    if best[0] and best[1] < plain * (1.0 + margin):
         return 0, plain
     return best
 
@@ -323,18 +340,52 @@ class AcceptanceEstimate:
 
 @dataclass
 class RealizedSpeed:
-    """Running seconds per committed token of one kind of step, as actually measured."""
+    """Seconds per committed token of one kind of step, as actually measured: discounted
+    seconds over discounted tokens.
 
-    seconds_per_token: float = 0.0
+    Why a ratio of sums and not an average of each step's seconds per token: a drafting
+    step's tokens vary (1 to K+1) while its seconds barely do, so the average of ratios
+    overstates the cost. A head at 40% acceptance whose 2-draft probes take 1.38 plain
+    passes averages 1.07 passes per token that way, though they commit 1.56 tokens on
+    average (0.88 passes per token): the guard benched a drafter that was winning.
+    """
+
+    seconds: float = 0.0
+    tokens: float = 0.0
     steps: int = 0
 
+    @property
+    def seconds_per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens else 0.0
+
     def add(self, seconds: float, n_tokens: int) -> None:
-        value = seconds / n_tokens
         self.steps += 1
-        if self.steps == 1:
-            self.seconds_per_token = value
-        else:
-            self.seconds_per_token += COST_EMA * (value - self.seconds_per_token)
+        self.seconds = self.seconds * REALIZED_DECAY + seconds
+        self.tokens = self.tokens * REALIZED_DECAY + n_tokens
+
+
+@dataclass
+class StepOverhead:
+    """What one drafter's steps took against what the cost model priced them at
+    (discounted sums of both): the work per step the model cannot see, such as the
+    drafter catching its cache up after plain steps.
+
+    Why a factor and not just a margin: a step's seconds hardly depend on luck, so a few
+    steps measure it, where tokens per second need many (how many drafts were accepted
+    varies step to step)."""
+
+    actual: float = 0.0
+    priced: float = 0.0
+    steps: int = 0
+
+    @property
+    def factor(self) -> float:
+        return self.actual / self.priced if self.priced > 0 else 1.0
+
+    def add(self, actual: float, priced: float) -> None:
+        self.steps += 1
+        self.actual = self.actual * OVERHEAD_DECAY + actual
+        self.priced = self.priced * OVERHEAD_DECAY + priced
 
 
 @dataclass(frozen=True)
@@ -363,6 +414,8 @@ class PolicyMemory:
     cost_probe: tuple[int, float] | None = None
     # per drafter: how often a draft tree's runner-up won where its first child lost
     tree_stats: dict[str, TreeStats] = field(default_factory=dict)
+    # per drafter: its steps' seconds against the model's price for them
+    overheads: dict[str, StepOverhead] = field(default_factory=dict)
 
 
 class DraftPolicy:
@@ -420,10 +473,27 @@ class DraftPolicy:
         mine, plain = self.realized.get(name), self.realized.get("none")
         if mine is None or plain is None or mine.steps < GUARD_MIN_STEPS or plain.steps < 2:
             return False
-        if mine.seconds_per_token > plain.seconds_per_token:
+        if mine.seconds_per_token > plain.seconds_per_token * (1.0 + GUARD_SLACK):
             self.memory.benched[name] = self.memory.steps
             return True
         return False
+
+    def _overhead(self, name: str) -> tuple[float, float]:
+        """(overhead, margin) for drafting with `name`: what its steps took over what the
+        model priced them at (1.0 until timed OVERHEAD_MIN_STEPS times), and the margin the
+        model must then clear.
+
+        Until timed, DRAFT_MARGIN stands in for what the model cannot see. Once timed, the
+        model prices that itself and PROVEN_MARGIN (noise) is enough. Why: a drafter that
+        truly gains less than DRAFT_MARGIN (a trained head at ~40% acceptance where a
+        2-row pass costs 1.2x a 1-row one) was otherwise never used. Plain steps need no
+        factor: their timings are the table's width-1 price itself.
+        """
+        mine = self.memory.overheads.get(name)
+        if mine is None or mine.steps < OVERHEAD_MIN_STEPS:
+            return 1.0, DRAFT_MARGIN
+        low, high = OVERHEAD_RANGE
+        return min(max(mine.factor, low), high), PROVEN_MARGIN
 
     def _candidates(self) -> tuple[str, ...]:
         return self.available if self.mode == "auto" else (self.mode,)
@@ -457,8 +527,10 @@ class DraftPolicy:
                 k, rate = limit, float("inf") if self.fixed_k else 0.0
             else:
                 estimate = self.estimates.setdefault(key, AcceptanceEstimate(0.5))
+                overhead, margin = self._overhead(name)
                 k, rate = best_k(estimate.alpha, self.costs.draft_s.get(name, 0.0),
-                                 self.costs, limit, pending, pending and name == "ngram")
+                                 self.costs, limit, pending, pending and name == "ngram",
+                                 margin, overhead)
             if k > 0 and rate > best_rate:
                 best, best_rate = Choice(name, k, key), rate
         probe = self._cost_probe(wanted, best.k)
@@ -542,8 +614,17 @@ class DraftPolicy:
         """Record a step's outcome: acceptance, the measured cost of its target pass (when it
         says something about that width) and the whole step's seconds per committed token."""
         if step_seconds is not None and n_tokens:
-            arm = choice.estimate or choice.drafter or "none"
-            self.realized.setdefault(arm, RealizedSpeed()).add(step_seconds, n_tokens)
+            if not choice.probe:
+                # a cost probe drafts as long as the width it times, not as the policy
+                # would: its seconds per token say nothing of the drafter's steps
+                arm = choice.estimate or choice.drafter or "none"
+                self.realized.setdefault(arm, RealizedSpeed()).add(step_seconds, n_tokens)
+            if self.costs is not None and width and choice.drafter is not None:
+                # priced at the width it ran at, before this timing corrects the table
+                priced = (self.costs.verify(width, width)
+                          + choice.k * self.costs.draft_s.get(choice.drafter, 0.0))
+                self.memory.overheads.setdefault(choice.drafter, StepOverhead()).add(
+                    step_seconds, priced)
         if choice.estimate is not None:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)

@@ -12,17 +12,23 @@ from engine.drafters.ngram import NgramDrafter
 from engine.tuning import (
     CONFIRM_TIMINGS,
     COST_EMA,
+    DRAFT_MARGIN,
     DRIFT_FRACTION,
+    GUARD_MIN_STEPS,
     K_MAX,
+    OVERHEAD_MIN_STEPS,
     PAD_MARGIN,
     PROBE_EVERY,
     PROBE_SHARE,
+    PROVEN_MARGIN,
     REFINE_FRACTION,
     AcceptanceEstimate,
     Choice,
     CostModel,
     DraftPolicy,
     PolicyMemory,
+    RealizedSpeed,
+    StepOverhead,
     best_k,
     expected_tokens,
     row_budget,
@@ -523,6 +529,22 @@ def test_width_one_noise_within_the_fraction_leaves_the_curve_alone() -> None:
     assert costs.verify(16) == TRUE[16]
 
 
+def test_untimed_wider_widths_follow_a_width_one_drift_within_the_fraction() -> None:
+    """Width 1 eases 12% (no rescale: within DRIFT_FRACTION): a 2-token pass not timed
+    since is priced 12% lower too, so its ratio to width 1 stays the calibrated 1.2x; a
+    width timed live keeps its timing."""
+    costs = CostModel({1: 0.010, 2: 0.012, 16: 0.018})
+    for _ in range(CONFIRM_TIMINGS):
+        costs.observe(16, 0.018)
+    assert costs.verify(2) == pytest.approx(0.012)  # negative control: no drift yet
+    for _ in range(200):
+        costs.observe(1, 0.0088)
+    assert costs.corrections == []
+    assert costs.verify(2) == pytest.approx(0.012 * 0.88, rel=0.01)
+    assert costs.verify(2) / costs.verify(1) == pytest.approx(1.2, rel=0.01)
+    assert costs.verify(16) == pytest.approx(0.018)
+
+
 COPYING = [*range(100, 140), 7, *range(100, 120)]  # the reply copies the prompt: long matches
 
 
@@ -631,3 +653,123 @@ def test_without_probes_the_model_drafter_stays_locked_out(
         policy.update(choice, choice.k, choice.k, true_cost(choice.k + 1), choice.k + 1)
         choices.append(choice)
     assert all(c.drafter is None for c in choices)
+
+
+# ---------------------------------------------------------------- the margin a record earns
+
+# a 2-row pass costs 1.18x a 1-row one, as on this project's CPU; a head step 5% of a pass
+HEAD_COSTS = {1: 0.010, 2: 0.0118, 3: 0.0128, 4: 0.0135, 8: 0.015, 16: 0.018}
+
+
+def simulate_head(alpha: float, hidden_s: float = 0.0, steps: int = 1500,
+                  seed: int = 0) -> tuple[float, int]:
+    """Tokens per second of a session drafting with a 'head' whose tokens are each accepted
+    with probability `alpha`, and how many of its steps drafted. `hidden_s`: what every
+    drafting step costs beyond the cost model's view (the margin's reason to exist)."""
+    rng = np.random.default_rng(seed)
+    costs = timed(CostModel(dict(HEAD_COSTS), {"head": 0.0005}))
+    truth = CostModel(dict(HEAD_COSTS))
+    memory = PolicyMemory()
+    memory.estimates["head"] = AcceptanceEstimate(alpha)  # its held-out agreement
+    policy = DraftPolicy("auto", ("head",), costs, memory=memory)
+    seconds, tokens, drafting, pending = 0.0, 0, 0, True
+    for _ in range(steps):
+        choice = policy.choose(FRESH, pending)
+        if choice.drafter is None:
+            step = truth.verify(1)
+            policy.update(choice, 0, 0, step, 1, step, 1)
+            seconds, tokens, pending = seconds + step, tokens + 1, True
+            continue
+        drafting += 1
+        n = 0
+        while n < choice.k and rng.random() < alpha:
+            n += 1
+        step = choice.k * 0.0005 + truth.verify(choice.k + 1) + hidden_s
+        n_branch = n if n == choice.k else n + 1
+        policy.update(choice, n_branch, n, step - hidden_s, choice.k + 1, step, n + 1)
+        seconds, tokens, pending = seconds + step, tokens + n + 1, False
+    return tokens / seconds, drafting
+
+
+def timed_steps(memory: PolicyMemory, name: str, factor: float, n: int) -> None:
+    """`n` steps of drafter `name` timed at `factor` times the model's price."""
+    for _ in range(n):
+        memory.overheads.setdefault(name, StepOverhead()).add(factor * 0.010, 0.010)
+
+
+def head_policy(alpha: float) -> DraftPolicy:
+    memory = PolicyMemory()
+    memory.estimates["head"] = AcceptanceEstimate(alpha, weight=1e9)  # held at alpha
+    costs = timed(CostModel(dict(HEAD_COSTS), {"head": 0.0005}))
+    return DraftPolicy("auto", ("head",), costs, memory=memory)
+
+
+def test_a_drafter_gaining_less_than_the_margin_drafts_once_its_steps_are_timed() -> None:
+    """At 40% acceptance the model gives the head ~1.14x: under DRAFT_MARGIN until its
+    steps have been timed against the model's price; then the model prices what it could
+    not see, and PROVEN_MARGIN is enough."""
+    policy = head_policy(0.4)
+    assert policy._overhead("head") == (1.0, DRAFT_MARGIN)
+    assert policy.choose(FRESH).drafter is None  # negative control: untimed
+    timed_steps(policy.memory, "head", 1.02, OVERHEAD_MIN_STEPS - 1)
+    assert policy.choose(FRESH).drafter is None  # one timing short
+    timed_steps(policy.memory, "head", 1.02, 1)
+    assert policy._overhead("head") == (pytest.approx(1.02), PROVEN_MARGIN)
+    choice = policy.choose(FRESH)
+    assert choice.drafter == "head" and choice.k in (1, 2)
+
+
+def test_a_drafter_whose_steps_take_more_than_priced_stays_out() -> None:
+    """The same head, its steps timed at 1.3x their price (work the model cannot see):
+    with that factor the model says it loses; at 60% acceptance it pays even so."""
+    policy = head_policy(0.4)
+    timed_steps(policy.memory, "head", 1.3, OVERHEAD_MIN_STEPS)
+    assert policy._overhead("head")[0] == pytest.approx(1.3)
+    assert policy.choose(FRESH).drafter is None
+    policy.memory.estimates["head"] = AcceptanceEstimate(0.6, weight=1e9)
+    assert policy.choose(FRESH).drafter == "head"
+
+
+def test_update_times_each_drafting_step_against_its_price() -> None:
+    policy = head_policy(0.4)
+    policy.update(Choice(None, 0), 0, 0, 0.012, 1, 0.012, 1)
+    assert "none" not in policy.memory.overheads  # plain steps are the width-1 price
+    policy.update(Choice("head", 2, "head"), 3, 1, 0.0128, 3, 0.0143, 2)
+    assert policy.memory.overheads["head"].factor == pytest.approx(0.0143 / (0.0128 + 0.001))
+
+
+def test_realized_speed_is_seconds_over_tokens_not_a_mean_of_ratios() -> None:
+    """Steps of equal seconds and 1 or 3 tokens: 2 tokens a step on average, so half the
+    seconds per token, where a mean of the steps' ratios says 2/3."""
+    speed = RealizedSpeed()
+    for i in range(40):
+        speed.add(1.0, 1 if i % 2 else 3)
+    assert speed.seconds_per_token == pytest.approx(0.5, rel=0.06)
+
+
+def test_the_guard_benches_a_drafter_whose_steps_lose_to_plain_ones() -> None:
+    def policy_after(head_tokens: int) -> DraftPolicy:
+        policy = head_policy(0.9)
+        for _ in range(GUARD_MIN_STEPS):
+            policy.update(Choice(None, 0), 0, 0, None, None, 0.010, 1)
+            policy.update(Choice("head", 2, "head"), 2, 2, None, None, 0.014, head_tokens)
+        return policy
+
+    assert policy_after(1).choose(FRESH).drafter is None  # 14 ms a token against 10
+    assert policy_after(2).choose(FRESH).drafter == "head"  # negative control: 7 ms
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_session_with_a_paying_head_drafts_and_one_with_hidden_costs_keeps_plain_speed(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """End to end over 1,500 simulated steps: a head at 60% acceptance runs >1.3x plain;
+    at 50% with 4 ms a step the model cannot see it would lose, and the session stays
+    within 3% of plain speed."""
+    plain = 1.0 / HEAD_COSTS[1]
+    assert simulate_head(0.6, seed=seed)[0] > 1.3 * plain
+    assert simulate_head(0.5, hidden_s=0.004, seed=seed)[0] > 0.97 * plain
+    # negative control: no margin, no timing of steps, no guard: the hidden cost loses
+    monkeypatch.setattr("engine.tuning.DRAFT_MARGIN", 0.0)
+    monkeypatch.setattr("engine.tuning.OVERHEAD_MIN_STEPS", 10**9)
+    monkeypatch.setattr("engine.tuning.GUARD_MIN_STEPS", 10**9)
+    assert simulate_head(0.5, hidden_s=0.004, seed=seed)[0] < 0.97 * plain
