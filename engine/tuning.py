@@ -48,8 +48,10 @@ GUARD_MIN_STEPS = 32  # steps of a drafter before its realized speed can bench i
 GUARD_SLACK = 0.03  # ... once it loses to plain steps by more than this
 REALIZED_DECAY = 0.97  # per step, of the seconds and tokens in a realized speed
 OVERHEAD_DECAY = 0.9  # per step, of the seconds in a step overhead
-GUARD_RETRY = 1024  # steps after which a benched drafter gets one more chance (a losing
-# probe of a drafter that costs half a target pass per token wastes a few steps)
+# steps after which a benched drafter starts a fresh record: three 128-token replies, so a
+# drafter that lost on one kind of text is tried on the next (32 losing steps in 416 cost
+# a few percent, should it lose again)
+GUARD_RETRY = 384
 
 
 @dataclass
@@ -468,8 +470,10 @@ class DraftPolicy:
         if since is not None:
             if self.memory.steps - since < GUARD_RETRY:
                 return True
-            # one more chance: its record stays, so one more losing step benches it again
+            # another chance on the text at hand: a fresh record (kept, the losing one
+            # benched it again at once, before it took a step)
             del self.memory.benched[name]
+            self.realized.pop(name, None)
         mine, plain = self.realized.get(name), self.realized.get("none")
         if mine is None or plain is None or mine.steps < GUARD_MIN_STEPS or plain.steps < 2:
             return False

@@ -15,6 +15,7 @@ from engine.tuning import (
     DRAFT_MARGIN,
     DRIFT_FRACTION,
     GUARD_MIN_STEPS,
+    GUARD_RETRY,
     K_MAX,
     OVERHEAD_MIN_STEPS,
     PAD_MARGIN,
@@ -773,3 +774,17 @@ def test_a_session_with_a_paying_head_drafts_and_one_with_hidden_costs_keeps_pla
     monkeypatch.setattr("engine.tuning.OVERHEAD_MIN_STEPS", 10**9)
     monkeypatch.setattr("engine.tuning.GUARD_MIN_STEPS", 10**9)
     assert simulate_head(0.5, hidden_s=0.004, seed=seed)[0] < 0.97 * plain
+
+
+def test_a_benched_drafter_gets_a_fresh_record_after_the_retry_span() -> None:
+    """Benched after losing, the head sits out GUARD_RETRY steps, then drafts again on a
+    fresh record: the old one would bench it again before it took a step."""
+    policy = head_policy(0.9)
+    for _ in range(GUARD_MIN_STEPS):
+        policy.update(Choice(None, 0), 0, 0, None, None, 0.010, 1)
+        policy.update(Choice("head", 2, "head"), 2, 2, None, None, 0.014, 1)
+    waited = 0
+    while policy.choose(FRESH).drafter is None and waited <= GUARD_RETRY:
+        waited += 1
+    assert GUARD_RETRY - 2 <= waited < GUARD_RETRY + 1
+    assert "head" not in policy.realized  # a fresh record
