@@ -341,7 +341,26 @@ class AcceptanceEstimate:
 
 
 @dataclass
-class RealizedSpeed:
+class DiscountedRatio:
+    """A running ratio of two discounted sums (each step's values added, older ones worth
+    `decay` less per step), and how many steps went in."""
+
+    decay: float
+    num: float = 0.0
+    den: float = 0.0
+    steps: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.num / self.den if self.den else 0.0
+
+    def add(self, num: float, den: float) -> None:
+        self.steps += 1
+        self.num = self.num * self.decay + num
+        self.den = self.den * self.decay + den
+
+
+class RealizedSpeed(DiscountedRatio):
     """Seconds per committed token of one kind of step, as actually measured: discounted
     seconds over discounted tokens.
 
@@ -352,42 +371,29 @@ class RealizedSpeed:
     average (0.88 passes per token): the guard benched a drafter that was winning.
     """
 
-    seconds: float = 0.0
-    tokens: float = 0.0
-    steps: int = 0
+    def __init__(self) -> None:
+        super().__init__(REALIZED_DECAY)
 
     @property
     def seconds_per_token(self) -> float:
-        return self.seconds / self.tokens if self.tokens else 0.0
-
-    def add(self, seconds: float, n_tokens: int) -> None:
-        self.steps += 1
-        self.seconds = self.seconds * REALIZED_DECAY + seconds
-        self.tokens = self.tokens * REALIZED_DECAY + n_tokens
+        return self.ratio
 
 
-@dataclass
-class StepOverhead:
-    """What one drafter's steps took against what the cost model priced them at
-    (discounted sums of both): the work per step the model cannot see, such as the
-    drafter catching its cache up after plain steps.
+class StepOverhead(DiscountedRatio):
+    """What one drafter's steps took (seconds) against what the cost model priced them at:
+    the work per step the model cannot see, such as the drafter catching its cache up
+    after plain steps.
 
     Why a factor and not just a margin: a step's seconds hardly depend on luck, so a few
     steps measure it, where tokens per second need many (how many drafts were accepted
     varies step to step)."""
 
-    actual: float = 0.0
-    priced: float = 0.0
-    steps: int = 0
+    def __init__(self) -> None:
+        super().__init__(OVERHEAD_DECAY)
 
     @property
     def factor(self) -> float:
-        return self.actual / self.priced if self.priced > 0 else 1.0
-
-    def add(self, actual: float, priced: float) -> None:
-        self.steps += 1
-        self.actual = self.actual * OVERHEAD_DECAY + actual
-        self.priced = self.priced * OVERHEAD_DECAY + priced
+        return self.ratio if self.den > 0 else 1.0
 
 
 @dataclass(frozen=True)
