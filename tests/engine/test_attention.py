@@ -71,6 +71,33 @@ def test_softmax_last_gradient_matches_mx_softmax() -> None:
     assert mx.abs(got - want).max().item() < 1e-6 * max(1.0, mx.abs(want).max().item()) * 10
 
 
+def test_softmax_last_backward_keeps_its_output_only() -> None:
+    """The gradient is softmax's own, from the output: the polynomial's score-sized
+    intermediates are not kept for the backward pass (they were most of a training step's
+    memory). Peak memory counts allocations, not time, so the bound is exact enough."""
+    mx.random.seed(5)
+    x = mx.random.normal((1, 9, 256, 768)) * 4
+    w = mx.random.normal(x.shape)
+    mx.eval(x, w)
+    size = x.nbytes
+
+    def peak(fn) -> int:
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        mx.eval(mx.grad(lambda s: (fn(s) * w).sum())(x))
+        return mx.get_peak_memory() - before
+
+    assert peak(softmax_last) <= 12 * size  # 9 score-sized arrays here
+    # negative control: differentiating through the polynomial itself keeps far more
+    from engine.models import attention as attn
+
+    def traced(s: mx.array) -> mx.array:
+        p, bits = attn._exp2_parts(s)
+        return attn._normalize(p, mx.stop_gradient(bits.view(mx.float32)))
+
+    assert peak(traced) > 20 * size  # 27 here
+
+
 def test_attention_uses_the_cpu_path_on_the_cpu_backend() -> None:
     q, k, v = _qkv(1, 9, 3, 11, 700)
     got = attention(q, k, v, 0.125, "causal")
