@@ -16,7 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
@@ -131,8 +130,8 @@ def unroll_mask(T: int, step: int) -> mx.array:
     return mx.concatenate([causal] + [eye] * step, axis=1)
 
 
-def unrolled_outputs(head: HeadModel, batch: Batch, unroll: int) -> list[mx.array]:
-    """Hot-vocabulary logits (B, T, Vd) of each unrolled step."""
+def unrolled_states(head: HeadModel, batch: Batch, unroll: int) -> list[mx.array]:
+    """Output states (B, T, D) of each unrolled step."""
     hidden = head.fuse(batch.features)
     T = hidden.shape[1]
     cache = UnrollCache()
@@ -140,8 +139,13 @@ def unrolled_outputs(head: HeadModel, batch: Batch, unroll: int) -> list[mx.arra
     for s in range(unroll):
         cache.offset = s
         hidden = head(hidden, batch.ids[s], mask=unroll_mask(T, s), cache=cache)
-        out.append(head.logits(hidden))
+        out.append(hidden)
     return out
+
+
+def unrolled_outputs(head: HeadModel, batch: Batch, unroll: int) -> list[mx.array]:
+    """Hot-vocabulary logits (B, T, Vd) of each unrolled step."""
+    return [head.logits(h) for h in unrolled_states(head, batch, unroll)]
 
 
 def label_counts(batch: Batch) -> list[mx.array]:
@@ -149,18 +153,92 @@ def label_counts(batch: Batch) -> list[mx.array]:
     return [mx.maximum(mx.sum(m), 1.0) for m in batch.mask]
 
 
+def step_loss(logits: mx.array, batch: Batch, step: int, weight: mx.array) -> mx.array:
+    """Unrolled step `step`'s soft cross-entropy to the target's top-k, summed over the
+    positions its mask keeps, times `weight`."""
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ce = -mx.sum(batch.label_p[step] * mx.take_along_axis(logp, batch.label_ids[step], -1), -1)
+    return weight * mx.sum(ce * batch.mask[step])
+
+
+def step_weights(batch: Batch, decay: float,
+                 counts: Sequence[mx.array] | None = None) -> list[mx.array]:
+    """Step s's loss weight: decay**s over the positions it averages over (`counts`: the
+    batch's own; a micro-batch passes its whole batch's, so the parts of a batch add up to
+    the batch's loss)."""
+    counts = counts if counts is not None else label_counts(batch)
+    return [(decay**s) / c for s, c in enumerate(counts)]
+
+
 def loss_fn(head: HeadModel, batch: Batch, unroll: int, decay: float,
             counts: Sequence[mx.array] | None = None) -> mx.array:
-    """Soft cross-entropy to the target's top-k, averaged per unrolled step over `counts`
-    positions (the batch's own; a micro-batch passes its whole batch's, so the parts of a
-    batch add up to the batch's loss)."""
-    counts = counts if counts is not None else label_counts(batch)
+    """Soft cross-entropy to the target's top-k, averaged per unrolled step (see
+    `step_weights`) and summed over the steps, later ones weighted down."""
+    weights = step_weights(batch, decay, counts)
     total = mx.array(0.0)
     for s, logits in enumerate(unrolled_outputs(head, batch, unroll)):
-        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        ce = -mx.sum(batch.label_p[s] * mx.take_along_axis(logp, batch.label_ids[s], -1), -1)
-        total = total + (decay**s) * mx.sum(ce * batch.mask[s]) / counts[s]
+        total = total + step_loss(logits, batch, s, weights[s])
     return total
+
+
+OUTPUT_MODULES = ("norm", "lm_head")  # the modules between an output state and its logits
+
+
+def add_into(total: dict, part: dict) -> None:
+    """Add gradients `part` (some of the head's top-level modules) into `total` and
+    evaluate the sums, so each part is freed as soon as it is counted."""
+    for name, g in part.items():
+        total[name] = g if name not in total else tree_map(mx.add, total[name], g)
+    mx.eval(total)
+
+
+def staged_value_and_grad(head: HeadModel, batch: Batch, unroll: int, decay: float,
+                          counts: Sequence[mx.array] | None = None,
+                          grads: dict | None = None) -> tuple[mx.array, dict]:
+    """`loss_fn` and its gradient over the head's trainable parameters, added into
+    `grads` (a running sum over micro-batches, updated in place) and returned. Computed in
+    stages, each evaluated before the next: the unrolled states; then, one step at a time,
+    the loss through the output modules, with its gradient for those modules and for the
+    step's states; then the block's gradient, by a second forward whose states are pulled
+    along those state gradients.
+
+    Why: differentiated as one graph, every step's hot-vocabulary logits, their
+    intermediates and each step's output-layer gradient are alive at once, beside a whole
+    second copy of the gradient: about 200 MB at the peak for one row of 256 positions
+    with an 8k hot vocabulary. In stages it is about half that, for one more forward pass
+    through the block (~15% more time). Training runs beside the user's chats, and its
+    memory is what a user sees of it."""
+    grads = {} if grads is None else grads
+    weights = step_weights(batch, decay, counts)
+    params = head.trainable_parameters()
+    out_params = {k: params[k] for k in OUTPUT_MODULES}
+    body_params = {k: v for k, v in params.items() if k not in OUTPUT_MODULES}
+    states = unrolled_states(head, batch, unroll)
+    mx.eval(states)
+    loss, state_grads = mx.array(0.0), []
+    for s, state in enumerate(states):
+        def output_loss(p: dict, h: mx.array, s: int = s) -> mx.array:
+            head.update(p)
+            return step_loss(head.logits(h), batch, s, weights[s])
+
+        value, (g, dh) = mx.value_and_grad(output_loss, argnums=(0, 1))(out_params, state)
+        loss = loss + value
+        mx.eval(loss, dh)
+        add_into(grads, g)
+        state_grads.append(dh)
+    del states
+
+    def pulled(p: dict) -> mx.array:
+        """Its gradient is the block's: the states' vector-Jacobian product with `dh`."""
+        head.update(p)
+        return sum((mx.sum(h * dh) for h, dh in
+                    zip(unrolled_states(head, batch, unroll), state_grads, strict=True)),
+                   mx.array(0.0))
+
+    body_grads = mx.grad(pulled)(body_params)
+    head.update(params)  # the module's own arrays again, not the transforms' stand-ins
+    add_into(grads, body_grads)
+    return loss, grads
 
 
 def batch_rows(batch: Batch, a: int, b: int) -> Batch:
@@ -207,7 +285,6 @@ class Trainer:
         self.optimizer.init(head.trainable_parameters())
         self.step = 0
         self.tokens_seen = 0
-        self._grad = nn.value_and_grad(head, loss_fn)
 
     def picks(self, step: int) -> list[tuple[int, int]]:
         """The rows of batch `step` (a function of the seed and the step alone)."""
@@ -220,26 +297,37 @@ class Trainer:
 
     def train_step(self) -> float:
         """One optimizer step over a batch, its gradient summed over micro-batches of
-        `micro_batch` rows, each evaluated before the next: MLX would otherwise hold every
-        row's hot-vocabulary logits and their gradients at once (about 400 MB at 4 rows of
-        256 positions), and training runs beside the user's chats."""
+        `micro_batch` rows, each evaluated before the next (and in stages, see
+        `staged_value_and_grad`): MLX would otherwise hold every row's hot-vocabulary
+        logits and their gradients at once (about 400 MB at 4 rows of 256 positions), and
+        training runs beside the user's chats."""
         o = self.options
         batch = make_batch(self.samples, self.picks(self.step), o.window, o.unroll, self.lift)
         counts = label_counts(batch)
-        loss, grads = mx.array(0.0), None
+        loss, grads = mx.array(0.0), {}
         for a in range(0, batch.features.shape[0], max(o.micro_batch, 1)):
             part = batch_rows(batch, a, a + max(o.micro_batch, 1))
-            part_loss, part_grads = self._grad(self.head, part, o.unroll, o.step_decay,
-                                               counts)
+            part_loss, _ = staged_value_and_grad(self.head, part, o.unroll, o.step_decay,
+                                                 counts, grads)
             loss = loss + part_loss
-            grads = part_grads if grads is None else tree_map(mx.add, grads, part_grads)
-            mx.eval(loss, grads)
         grads, _ = optim.clip_grad_norm(grads, o.grad_clip)
-        self.optimizer.update(self.head, grads)
+        self._apply(grads)
         mx.eval(self.head.parameters(), self.optimizer.state, loss)
         self.step += 1
         self.tokens_seen += batch.n_tokens
         return float(loss.item())
+
+    def _apply(self, grads: dict) -> None:
+        """AdamW's update, computed and stored one parameter at a time: evaluated as one
+        graph, every new parameter and moment would exist beside its old value and the
+        whole gradient (about 150 MB more at the peak for an 8k hot vocabulary). The
+        numbers are the same either way."""
+        new = self.optimizer.apply_gradients(grads, self.head.trainable_parameters())
+        grads.clear()  # a gradient is held by its update's graph only, freed once it runs
+        state = tree_flatten(self.optimizer.state)
+        for name, value in tree_flatten(new):
+            mx.eval(value, *(v for k, v in state if k.startswith(name + ".")))
+            self.head.update(tree_unflatten([(name, value)]))
 
     def optimizer_state(self) -> dict[str, mx.array]:
         return dict(tree_flatten(self.optimizer.state))
@@ -259,8 +347,8 @@ def evaluate(head: HeadModel, samples: Sequence[Sample], unroll: int, window: in
     lift = np.array(head.lift_index)
     hits = [0] * unroll
     counts = [0] * unroll
-    for a in range(0, len(rows), 4):
-        batch = make_batch(samples, rows[a : a + 4], window, unroll, lift)
+    for row in rows:  # one at a time: 4 rows' logits held ~200 MB more at a checkpoint
+        batch = make_batch(samples, [row], window, unroll, lift)
         for s, (h, c) in enumerate(top1_agreement(head, batch, unroll)):
             hits[s] += h
             counts[s] += c
