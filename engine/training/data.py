@@ -52,13 +52,14 @@ class Item:
 
 @dataclass
 class Sample:
-    """One sequence: tokens (n+1,) of which the first n were fed; features (n, F) float16;
-    the target's top-k next-token ids/probs at each fed position (n, TOP_K); `start`: the
-    first position whose next token belongs to the reply (loss is taken from there)."""
+    """One sequence: tokens (n+1,) of which the first n were fed; features (n, F) float16
+    (`DiskRows` when loaded from a shard); the target's top-k next-token ids/probs at each
+    fed position (n, TOP_K); `start`: the first position whose next token belongs to the
+    reply (loss is taken from there)."""
 
     id: str
     tokens: np.ndarray
-    features: np.ndarray
+    features: np.ndarray | DiskRows
     top_ids: np.ndarray
     top_p: np.ndarray
     start: int
@@ -299,10 +300,91 @@ def _sample(item: Item, tokens: np.ndarray, feats: list[np.ndarray], ids: list[n
 SHARD_ARRAYS = ("lengths", "tokens", "features", "top_ids", "top_p")
 
 
+class _OpenFile:
+    """A read-only descriptor, closed when the last rows reading it are dropped."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+class DiskRows:
+    """Rows `first .. first + n` of a 2-D array in a .npy file, read from disk when sliced.
+
+    Why not a memory map: every page of a map that training touches counts toward the
+    process's resident memory until the kernel wants it back, and training reads every row
+    of a dataset larger than the model it trains for (the demo's features reach 750 MB
+    after 85 minutes). A slice here is read into a fresh array and is gone when the batch
+    is; the page cache still holds the file. The open descriptor keeps the data readable
+    if the file is deleted meanwhile (the online buffer drops old segments), as a map
+    did."""
+
+    def __init__(self, file: _OpenFile, offset: int, row_shape: tuple[int, ...],
+                 dtype: np.dtype, first: int, n: int) -> None:
+        self._file, self._offset = file, offset
+        self._row_shape, self.dtype = row_shape, dtype
+        self._first, self._n = first, n
+
+    @classmethod
+    def open(cls, path: Path) -> DiskRows:
+        """Every row of the C-ordered .npy array at `path`; ValueError if it is not one,
+        or is shorter than its header says."""
+        with open(path, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            read = (np.lib.format.read_array_header_1_0 if version == (1, 0) else
+                    np.lib.format.read_array_header_2_0)
+            shape, fortran, dtype = read(f)
+            offset = f.tell()
+        if fortran or len(shape) < 1:
+            raise ValueError(f"{path.name} is not a C-ordered array of rows")
+        need = offset + int(np.prod(shape)) * dtype.itemsize
+        if path.stat().st_size < need:
+            raise ValueError(f"{path.name} is shorter than its header says")
+        return cls(_OpenFile(path), offset, tuple(shape[1:]), dtype, 0, shape[0])
+
+    def rows(self, first: int, n: int) -> DiskRows:
+        """Rows first .. first + n of these, read from the same file."""
+        if first < 0 or n < 0 or first + n > self._n:
+            raise IndexError(f"rows {first}..{first + n} of {self._n}")
+        return DiskRows(self._file, self._offset, self._row_shape, self.dtype,
+                        self._first + first, n)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self._n, *self._row_shape)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice):
+            raise TypeError("DiskRows reads row ranges (slices) only")
+        a, b, step = key.indices(self._n)
+        if step != 1:
+            raise TypeError("DiskRows reads contiguous row ranges only")
+        n = max(b - a, 0)
+        row_bytes = int(np.prod(self._row_shape, dtype=np.int64)) * self.dtype.itemsize
+        data = os.pread(self._file.fd, n * row_bytes, self._offset + (self._first + a) * row_bytes)
+        if len(data) != n * row_bytes:
+            raise OSError(f"training data file ended early ({len(data)} of {n * row_bytes} "
+                          "bytes)")
+        return np.frombuffer(data, dtype=self.dtype).reshape(n, *self._row_shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = self[:]
+        return out if dtype is None else out.astype(dtype)
+
+    def astype(self, dtype: Any) -> np.ndarray:
+        return self[:].astype(dtype)
+
+
 def save_shard(path: Path, samples: Sequence[Sample]) -> None:
     """Samples -> a shard folder of .npy arrays and meta.json, written under a temporary
-    name and renamed (never half). Plain .npy files load memory-mapped, so the training set
-    stays on disk and in the page cache rather than in the process."""
+    name and renamed (never half). Plain .npy files load without reading them whole (the
+    features as `DiskRows`, the rest memory-mapped), so the training set stays on disk and
+    in the page cache rather than in the process."""
     arrays = {
         "lengths": np.array([len(s.features) for s in samples], dtype=np.int64),
         "tokens": np.concatenate([s.tokens for s in samples]),
@@ -326,10 +408,12 @@ def save_shard(path: Path, samples: Sequence[Sample]) -> None:
 
 
 def load_shard(path: Path) -> list[Sample]:
-    """The samples of one shard (arrays memory-mapped); a damaged shard is an error naming
-    it."""
+    """The samples of one shard (features read on demand, the small arrays
+    memory-mapped); a damaged shard is an error naming it."""
     try:
-        z = {n: np.load(path / f"{n}.npy", mmap_mode="r") for n in SHARD_ARRAYS}
+        z: dict[str, Any] = {n: np.load(path / f"{n}.npy", mmap_mode="r")
+                             for n in SHARD_ARRAYS if n != "features"}
+        z["features"] = DiskRows.open(path / "features.npy")
         meta = json.loads((path / "meta.json").read_text())
         lengths = z["lengths"].tolist()
         if len(meta) != len(lengths) or sum(lengths) != len(z["features"]):
@@ -338,7 +422,7 @@ def load_shard(path: Path) -> list[Sample]:
         raise EngineError(f"{path}: damaged training data shard ({e}); delete it") from None
     out, o, t = [], 0, 0
     for n, m in zip(lengths, meta, strict=True):
-        out.append(Sample(m["id"], z["tokens"][t : t + n + 1], z["features"][o : o + n],
+        out.append(Sample(m["id"], z["tokens"][t : t + n + 1], z["features"].rows(o, n),
                           z["top_ids"][o : o + n], z["top_p"][o : o + n], int(m["start"]),
                           bool(m["heldout"])))
         o, t = o + n, t + n + 1

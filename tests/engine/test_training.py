@@ -15,9 +15,10 @@ import threading
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_map
 
 from engine.bench import DEFAULT_PROMPTS, load_prompts
 from engine.cache import PreallocatedKVCache, cache_length, make_caches
@@ -26,6 +27,7 @@ from engine.drafters.head_io import current_checkpoint, load_head
 from engine.errors import EngineError
 from engine.loading import LoadedModel, load_model
 from engine.training.data import (
+    DiskRows,
     Item,
     builtin_items,
     generate_samples,
@@ -40,8 +42,10 @@ from engine.training.fit import (
     FitOptions,
     Trainer,
     batch_rows,
+    label_counts,
     loss_fn,
     make_batch,
+    staged_value_and_grad,
     unrolled_outputs,
     windows,
 )
@@ -200,10 +204,27 @@ def test_shards_round_trip_and_damage_is_named(samples, tmp_path: Path) -> None:
         assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.features, b.features)
         assert np.array_equal(a.top_ids, b.top_ids) and np.array_equal(a.top_p, b.top_p)
         assert a.start == b.start and a.heldout == b.heldout
-    assert isinstance(again[0].features, np.memmap)  # on disk, not in the process
+    # on disk, not in the process: rows are read when a batch asks for them
+    assert isinstance(again[0].features, DiskRows)
+    assert np.array_equal(again[1].features[2:5], np.asarray(samples[1].features)[2:5])
+    with pytest.raises(TypeError):
+        again[0].features[::2]  # row ranges only
+    # an open shard stays readable if its folder is deleted meanwhile (the online buffer
+    # drops old segments while a job may still read them)
+    copy = tmp_path / "shard-00001"
+    shutil.copytree(path, copy)
+    held = load_shard(copy)
+    shutil.rmtree(copy)
+    assert np.array_equal(held[0].features[:3], np.asarray(samples[0].features)[:3])
     (path / "features.npy").write_bytes((path / "features.npy").read_bytes()[:100])
     with pytest.raises(EngineError, match="shard-00000: damaged"):
         load_shard(path)
+    # a features file cut short after its header is damaged too
+    save_shard(path.with_name("shard-00002"), samples)
+    cut = path.with_name("shard-00002") / "features.npy"
+    cut.write_bytes(cut.read_bytes()[:-64])
+    with pytest.raises(EngineError, match="shard-00002: damaged.*shorter than its header"):
+        load_shard(cut.parent)
 
 
 def test_hot_ids_are_the_most_used(samples, target: LoadedModel) -> None:
@@ -281,6 +302,62 @@ def test_micro_batches_step_as_the_whole_batch(target: LoadedModel, samples) -> 
     own = sum(float(loss_fn(whole, batch_rows(batch, i, i + 1), 3, 0.8).item())
               for i in range(4))
     assert own != pytest.approx(float(loss_fn(whole, batch, 3, 0.8).item()), rel=1e-2)
+
+
+def test_staged_gradient_is_the_one_graph_gradient(target: LoadedModel, samples) -> None:
+    """The staged gradient (states, then each step's output loss, then the block pulled
+    along the state gradients) is the gradient of `loss_fn` as one graph, and it adds
+    into a running sum as the micro-batches of `train_step` need."""
+    V = target.model.args.vocab_size
+    head = init_head(target.model, choose_hot_ids(samples, V, 10_000), LAYERS, 0)
+    rows = Trainer(head, samples, FitOptions()).rows[:2]
+    batch = make_batch(samples, rows, 64, 3, np.array(head.lift_index))
+    counts = label_counts(batch)
+    part = batch_rows(batch, 0, 1)
+    want_loss, want = nn.value_and_grad(head, loss_fn)(head, part, 3, 0.8, counts)
+    got_loss, got = staged_value_and_grad(head, part, 3, 0.8, counts)
+    assert float(got_loss.item()) == pytest.approx(float(want_loss.item()), rel=1e-6)
+    want_flat, got_flat = dict(tree_flatten(want)), dict(tree_flatten(got))
+    assert sorted(got_flat) == sorted(want_flat)
+    for name, g in want_flat.items():
+        assert float(mx.abs(g).max().item()) > 0, name  # every part gets a gradient
+        assert mx.allclose(got_flat[name], g, atol=1e-6, rtol=1e-4), name
+    # the module holds its own parameters again, not the transforms' stand-ins
+    assert float(loss_fn(head, part, 3, 0.8, counts).item()) == pytest.approx(
+        float(want_loss.item()), rel=1e-6)
+    # added into a running sum: row 0's gradient plus row 1's
+    other = batch_rows(batch, 1, 2)
+    _, second = nn.value_and_grad(head, loss_fn)(head, other, 3, 0.8, counts)
+    _, total = staged_value_and_grad(head, other, 3, 0.8, counts, got)
+    summed = dict(tree_flatten(tree_map(mx.add, want, second)))
+    for name, g in dict(tree_flatten(total)).items():
+        assert mx.allclose(g, summed[name], atol=1e-6, rtol=1e-4), name
+    # negative control: another row's gradient is not this one's
+    assert not mx.allclose(dict(tree_flatten(second))["fc.weight"], want_flat["fc.weight"],
+                           atol=1e-6, rtol=1e-4)
+
+
+def test_the_update_one_tensor_at_a_time_is_adamw(target: LoadedModel, samples) -> None:
+    """Trainer's update, evaluated parameter by parameter, lands where AdamW's own
+    `update` does, weights and moments alike."""
+    V = target.model.args.vocab_size
+    hot = choose_hot_ids(samples, V, 10_000)
+    heads = [init_head(target.model, hot, LAYERS, 0) for _ in range(2)]
+    mine, theirs = (Trainer(h, samples, FitOptions(warmup=1, learning_rate=3e-3))
+                    for h in heads)
+    grads = tree_map(lambda p: mx.ones_like(p) * 0.01, heads[0].trainable_parameters())
+    for _ in range(2):
+        mine._apply(dict(grads))
+        theirs.optimizer.update(heads[1], grads)
+    for (name, a), (_, b) in zip(tree_flatten(heads[0].trainable_parameters()),
+                                 tree_flatten(heads[1].trainable_parameters()), strict=True):
+        assert mx.array_equal(a, b).item(), name
+    for (name, a), (_, b) in zip(tree_flatten(mine.optimizer.state),
+                                 tree_flatten(theirs.optimizer.state), strict=True):
+        assert mx.array_equal(a, b).item(), name
+    # negative control: one more step on one side moves it
+    mine._apply(dict(grads))
+    assert not mx.array_equal(heads[0].fc.weight, heads[1].fc.weight).item()
 
 
 def test_windows_cover_reply_labels_only(samples) -> None:
