@@ -216,17 +216,10 @@ def staged_value_and_grad(head: HeadModel, batch: Batch, unroll: int, decay: flo
     states = unrolled_states(head, batch, unroll)
     mx.eval(states)
     loss, state_grads = mx.array(0.0), []
-    for s, state in enumerate(states):
-        def output_loss(p: dict, h: mx.array, s: int = s) -> mx.array:
-            head.update(p)
-            return step_loss(head.logits(h), batch, s, weights[s])
 
-        value, (g, dh) = mx.value_and_grad(output_loss, argnums=(0, 1))(out_params, state)
-        loss = loss + value
-        mx.eval(loss, dh)
-        add_into(grads, g)
-        state_grads.append(dh)
-    del states
+    def output_loss(p: dict, h: mx.array, s: int) -> mx.array:
+        head.update(p)
+        return step_loss(head.logits(h), batch, s, weights[s])
 
     def pulled(p: dict) -> mx.array:
         """Its gradient is the block's: the states' vector-Jacobian product with `dh`."""
@@ -235,8 +228,18 @@ def staged_value_and_grad(head: HeadModel, batch: Batch, unroll: int, decay: flo
                     zip(unrolled_states(head, batch, unroll), state_grads, strict=True)),
                    mx.array(0.0))
 
-    body_grads = mx.grad(pulled)(body_params)
-    head.update(params)  # the module's own arrays again, not the transforms' stand-ins
+    try:
+        for s, state in enumerate(states):
+            value, (g, dh) = mx.value_and_grad(output_loss, argnums=(0, 1))(out_params,
+                                                                             state, s)
+            loss = loss + value
+            mx.eval(loss, dh)
+            add_into(grads, g)
+            state_grads.append(dh)
+        del states
+        body_grads = mx.grad(pulled)(body_params)
+    finally:
+        head.update(params)  # the module's own arrays again, not the transforms' stand-ins
     add_into(grads, body_grads)
     return loss, grads
 
@@ -321,7 +324,7 @@ class Trainer:
         """AdamW's update, computed and stored one parameter at a time: evaluated as one
         graph, every new parameter and moment would exist beside its old value and the
         whole gradient (about 150 MB more at the peak for an 8k hot vocabulary). The
-        numbers are the same either way."""
+        numbers are the same either way. Empties `grads`."""
         new = self.optimizer.apply_gradients(grads, self.head.trainable_parameters())
         grads.clear()  # a gradient is held by its update's graph only, freed once it runs
         state = tree_flatten(self.optimizer.state)
