@@ -34,9 +34,10 @@ from engine.tuning import K_MAX, CostModel, row_budget
 CALIBRATION_FILE = "calibration.json"
 CALIBRATION_FORMAT = 2  # 1: unversioned entries keyed without BLAS, device or dtypes
 # up to the widest verify pass a step may run (a K_MAX chain with a full tree's extra
-# nodes): past the table a width is extrapolated, and the curve keeps rising past 16 rows
-# here (20 rows 1.3x, 24 rows 1.5x the 16-row pass)
-CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, row_budget(K_MAX))
+# nodes): past the table a width is extrapolated. Past 16 rows the curve rises steeply,
+# then flattens (here: 17 rows 1.05x, 20 rows 1.21x, 24 rows 1.25x the 16-row pass), so
+# 20 is timed too: a line from 16 to 24 priced a tree's 17-20 rows up to 7% low
+CALIBRATION_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 20, row_budget(K_MAX))
 # file names that give a BLAS away: "lib" and letters, then one of these (libblas,
 # libopenblasp, libflexiblas, libmkl_rt, libblis). Anchored: MLX's own compiled kernels are
 # shared libraries named for their ops (…OMaximumKL_…so, with "mkl" inside), and an

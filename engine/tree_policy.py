@@ -37,6 +37,10 @@ HELD_PRIORS = (0.55, 0.7, 0.8, 0.9)
 # score-gap bands of a runner-up (upper edges) and the prior chance it wins in each
 GAP_EDGES = (0.5, 1.5, 3.0)
 GAP_PRIORS = (0.45, 0.3, 0.15, 0.05)
+# how much more expected tokens per second a wider tree must promise to be kept: every row
+# costs something (a wider pass, the tree's mask, the path's gather) even where the cost
+# table, noisy and made monotone, prices two widths alike
+ROW_MARGIN = 0.01
 
 
 def gap_band(gap: float) -> int:
@@ -149,27 +153,43 @@ def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
                limit: int = K_MAX + 1, holds: Mapping[int, float] | None = None) -> set[int]:
     """The nodes worth their rows (each with its parent kept); `chances[i]`: the chance
     node i wins where its older sibling lost; `holds[p]`: the chance contested node p's
-    first child wins (see `arrival`)."""
+    first child wins (see `arrival`).
+
+    Two shapes are priced, and the faster kept: the whole main chain plus the branch
+    nodes that pay, and the best-arriving nodes wherever they are, at least as many as the
+    main chain (its length is the policy's choice, `best_k`). The second is why a tree is
+    worth more than its chain plus extras: where the drafter was unsure near the root (a
+    contested node), the main chain's deep nodes arrive less often than a runner-up's
+    first few, and a pass that trades the one for the other is no wider."""
     n_main = tree.first_chain()
     if n_main == len(tree) or costs is None:
         return set(range(len(tree)))
     reach = arrival(tree, alpha, chances, holds)
-    tokens = 1.0 + sum(reach[:n_main])
-    width = n_main + 1
-    seconds = n_main * draft_s + costs.verify(width, limit)
+
+    def best_prefix(order: Sequence[int], kept: int) -> tuple[float, int]:
+        """(rate, n): the prefix of `order`, at least `kept` long, with the most expected
+        tokens per second."""
+        tokens = 1.0 + sum(reach[i] for i in order[:kept])
+        best = (tokens / (n_main * draft_s + costs.verify(kept + 1, limit)), kept)
+        for n in range(kept + 1, len(order) + 1):
+            tokens += reach[order[n - 1]]
+            rate = tokens / (n_main * draft_s + costs.verify(n + 1, limit))
+            if rate > best[0] * (1 + ROW_MARGIN):
+                best = (rate, n)
+        return best
+
     # a child never arrives more often than its parent, and a parent comes first in DFS
-    # order, so this ranking keeps every node's parent ahead of it
-    order = sorted(range(n_main, len(tree)), key=lambda i: (-reach[i], i))
-    # every prefix of the ranking is priced, not only until the first row that does not
-    # pay: the cost curve has steps (a BLAS kernel's row blocking, a GPU's SIMD width), so
-    # a row that costs a step can open several that cost nothing
-    best_rate, best_n = tokens / seconds, 0
-    for n, node in enumerate(order, 1):
-        tokens += reach[node]
-        rate = tokens / (n_main * draft_s + costs.verify(width + n, limit))
-        if rate > best_rate:
-            best_rate, best_n = rate, n
-    return set(range(n_main)) | set(order[:best_n])
+    # order, so both rankings keep every node's parent ahead of it. Every prefix is
+    # priced, not only until the first row that does not pay: the cost curve has steps
+    # (a BLAS kernel's row blocking, a GPU's SIMD width), so a row that costs a step can
+    # open several that cost nothing
+    by_reach = sorted(range(len(tree)), key=lambda i: (-reach[i], i))
+    main_first = [*range(n_main), *(i for i in by_reach if i >= n_main)]
+    anchored, n_anchored = best_prefix(main_first, n_main)
+    free, n_free = best_prefix(by_reach, n_main)
+    if free > anchored:
+        return set(by_reach[:n_free])
+    return set(main_first[:n_anchored])
 
 
 def subtree(tree: DraftTree, kept: set[int]) -> DraftTree:

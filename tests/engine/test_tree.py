@@ -40,6 +40,9 @@ from tests.fixtures.tiny_models import write_tiny_model
 # tokens:   5  6  7  8  9  4     0 -> 1 -> 2 is the first chain; 3 forks under 0;
 # parents: -1  0  1  0  3 -1     4 under 3; 5 is a second root child
 TREE = DraftTree((5, 6, 7, 8, 9, 4), (-1, 0, 1, 0, 3, -1))
+# TREE's best nodes in its chain's three rows at 50% acceptance: the chain's first two and
+# the depth-1 runner-up
+CHAIN_WIDTH = DraftTree((5, 6, 4), (-1, 0, -1))
 
 
 @pytest.fixture(scope="module")
@@ -316,22 +319,26 @@ def test_prune_keeps_a_tree_only_when_its_rows_pay() -> None:
     flat = CostModel({1: 1.0, 17: 1.0})  # extra rows free: every node pays
     steep = CostModel({1: 1.0, 17: 9.0})  # half a pass per extra row: none pays
     assert prune_tree(TREE, 0.5, 0.5, flat) == TREE
-    assert prune_tree(TREE, 0.5, 0.5, steep) == DraftTree.chain(TREE.ids[:3])
-    # a middle cost keeps the shallow fork (depth 1) before the deeper one
+    # no extra row pays, but within the chain's three rows the depth-1 runner-up (arrives
+    # 0.25) beats the chain's third node (0.125): it takes that row
+    assert prune_tree(TREE, 0.5, 0.5, steep) == CHAIN_WIDTH
+    # negative control: a runner-up that rarely wins keeps the chain
+    assert prune_tree(TREE, 0.5, 0.2, steep) == DraftTree.chain(TREE.ids[:3])
+    # a middle cost: the shallow fork (depth 1, arrives 0.3) takes the chain's third row
+    # (0.125), and the deeper fork (0.15) is not worth a fifth row
     mid = CostModel({1: 1.0, 4: 1.0, 5: 1.08, 17: 3.0})
-    kept = prune_tree(TREE, 0.5, 0.6, mid)
-    assert kept == DraftTree((5, 6, 7, 4), (-1, 0, 1, -1))
+    assert prune_tree(TREE, 0.5, 0.6, mid) == CHAIN_WIDTH
 
 
 def test_prune_looks_past_a_step_in_the_cost_curve() -> None:
     """The first extra row costs a step (a BLAS kernel's row block) and the next ones
     nothing: alone it does not pay, all three together do. Pricing stops at the first
     row that does not pay would keep the chain."""
-    step = CostModel({1: 1.0, 4: 1.0, 5: 1.2, 17: 1.2})
+    step = CostModel({1: 1.0, 4: 1.0, 5: 1.1, 17: 1.1})
     assert prune_tree(TREE, 0.5, 0.5, step) == TREE
     # negative control: the same step with rows that keep costing after it
-    steady = CostModel({1: 1.0, 4: 1.0, 5: 1.2, 17: 3.6})
-    assert prune_tree(TREE, 0.5, 0.5, steady) == DraftTree.chain(TREE.ids[:3])
+    steady = CostModel({1: 1.0, 4: 1.0, 5: 1.1, 17: 3.6})
+    assert prune_tree(TREE, 0.5, 0.5, steady) == CHAIN_WIDTH
 
 
 def test_prune_prices_the_tree_within_the_steps_row_budget() -> None:
@@ -340,7 +347,7 @@ def test_prune_prices_the_tree_within_the_steps_row_budget() -> None:
     budget stops at 4 rows cannot pad past the 5-row step, and keeps the chain."""
     dip = CostModel({1: 1.0, 4: 1.0, 5: 3.0, 6: 1.0, 16: 1.0})
     assert prune_tree(TREE, 0.5, 0.5, dip) == TREE
-    assert prune_tree(TREE, 0.5, 0.5, dip, limit=4) == DraftTree.chain(TREE.ids[:3])
+    assert prune_tree(TREE, 0.5, 0.5, dip, limit=4) == CHAIN_WIDTH
     assert prune_tree(TREE, 0.5, 0.5, dip, limit=7) == TREE
 
 
@@ -390,7 +397,9 @@ def test_prune_prices_a_contested_node_by_how_often_its_first_child_holds() -> N
     for _ in range(30):
         stats.observe(tree, (3, 4), (None, None, None, 0.0, 0.0))
     draft = Draft(tree.ids, None, tree.parents, (None, None, None, 0.0, 0.0))
-    assert prune_draft(draft, 0.9, stats, one_row).ids == tree.ids
+    # the learned contests were lost so often that the runner-up's branch takes the
+    # chain's deeper rows: 5 4 8 in the chain's width
+    assert prune_draft(draft, 0.9, stats, one_row).ids == (5, 4, 8)
     assert prune_draft(Draft(tree.ids, None, tree.parents), 0.9, TreeStats(),
                        one_row).ids == (5, 6, 7)
 
