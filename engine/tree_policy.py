@@ -40,7 +40,7 @@ GAP_PRIORS = (0.45, 0.3, 0.15, 0.05)
 # how much more expected tokens per second a wider tree must promise to be kept: every row
 # costs something (a wider pass, the tree's mask, the path's gather) even where the cost
 # table, noisy and made monotone, prices two widths alike
-ROW_MARGIN = 0.01
+ROW_MARGIN = 0.001
 
 
 def gap_band(gap: float) -> int:

@@ -20,7 +20,10 @@ if TYPE_CHECKING:  # tree_policy builds on this module
     from engine.tree_policy import TreeStats
 
 K_MAX = 15
-EXTRA_NODES = 8  # most nodes a draft tree may add beyond its main chain
+# most nodes a draft tree may add beyond its main chain: enough for a K_MAX-deep runner-up
+# (prompt lookup's earlier match that continues differently is often right to its end)
+EXTRA_NODES = 16
+WIDEST_PASS = 1 + K_MAX + EXTRA_NODES  # the pending token, a K_MAX chain, a full tree
 PRIOR_ACCEPTANCE = {"model": 0.6, "layerskip": 0.3,
                     # prompt lookup, by matched suffix length: longer matches copy better
                     "ngram2": 0.1, "ngram3": 0.25, "ngram4": 0.55}
@@ -77,7 +80,7 @@ class CostModel:
     overlap_s: float = 0.0
 
     def __post_init__(self) -> None:
-        # verify() for every width up to K_MAX + 1, per row budget, rebuilt after a change
+        # verify() for every width up to WIDEST_PASS, per row budget, rebuilt after a change
         # from one interpolated table: the policy asks for the whole curve every step, and
         # the step's host time competes with the pass
         self._raw: list[float] | None = None
@@ -193,7 +196,7 @@ class CostModel:
 
     def pad_width(self, width: int, limit: int = K_MAX + 1) -> int:
         """The width to run a pass of `width` rows at: the cheapest measured width from
-        `width` to `limit` rows (the step's row budget, at most K_MAX + 1) when it
+        `width` to `limit` rows (the step's row budget, at most WIDEST_PASS) when it
         undercuts `width` itself by PAD_MARGIN, else `width`.
 
         Why: a BLAS's small-matrix kernels block rows (OpenBLAS here: 12 rows cost ~25%
@@ -205,17 +208,17 @@ class CostModel:
         return pads[width] if 0 <= width < len(pads) else width
 
     def _curves(self, limit: int) -> tuple[list[float], list[int]]:
-        """(price, padded width) for widths 0..K_MAX + 1 under a row budget of `limit`:
+        """(price, padded width) for widths 0..WIDEST_PASS under a row budget of `limit`:
         each width priced at its padded width's interpolated cost, then made
         non-decreasing."""
-        limit = max(1, min(limit, K_MAX + 1))
+        limit = max(1, min(limit, WIDEST_PASS))
         curves = self._curves_by_limit.get(limit)
         if curves is None:
             if self._raw is None:
                 points = self._points()
-                self._raw = [_table_cost(points, w) for w in range(K_MAX + 2)]
+                self._raw = [_table_cost(points, w) for w in range(WIDEST_PASS + 1)]
             raw = self._raw
-            pads = list(range(K_MAX + 2))
+            pads = list(range(WIDEST_PASS + 1))
             cheapest = limit  # the narrowest of the cheapest widths from w up to the limit
             for w in range(limit, 1, -1):
                 if raw[w] <= raw[cheapest]:
@@ -250,7 +253,7 @@ def row_budget(k: int) -> int:
     pending token, the K-deep main chain and EXTRA_NODES tree nodes. A step pads its pass
     only within it (`CostModel.pad_width`), so padding never grows the pass's memory past
     a tree's."""
-    return 1 + k + EXTRA_NODES
+    return min(1 + k + EXTRA_NODES, WIDEST_PASS)
 
 
 def _table_cost(points: list[tuple[int, float]], width: int) -> float:

@@ -27,7 +27,7 @@ from engine.decode import ChatSession, GenerateOptions
 from engine.loading import load_model
 from engine.models import Model
 from engine.paths import cache_dir
-from engine.tuning import COST_EMA, CostModel, row_budget
+from engine.tuning import COST_EMA, K_MAX, CostModel, row_budget
 from tests.fixtures.tiny_models import write_tiny_pair
 
 REFERENCE_BLAS = "/opt/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
@@ -169,7 +169,7 @@ def test_an_entry_timed_before_the_widest_tree_width_loads_and_learns_it(
     used as they are, not measured again: past them a width is priced from the table's
     rising curve, and a live pass of that width enters the table and is saved with it."""
     widest = max(CALIBRATION_WIDTHS)
-    assert widest == 24
+    assert widest == row_budget(K_MAX)
     older = {"format": CALIBRATION_FORMAT, "measured_at": 0,
              "verify_s": {"1": 0.13, "8": 0.19, "12": 0.30, "16": 0.24},
              "draft_s": {"ngram": 0.0}, "overlap_s": 0.01}
@@ -217,17 +217,17 @@ def test_the_bench_names_the_widths_it_pads() -> None:
 
 
 def test_the_padding_line_keeps_each_chain_width_within_its_row_budget() -> None:
-    """16 rows cost less than 4: a 4-row chain may take only row_budget(3) rows, so it is
-    not shown as padded to 16; the line names the widths as they would run."""
-    dip = CostModel({1: 1.0, 4: 2.0, 8: 2.2, 12: 1.8, 16: 1.5})
-    assert row_budget(3) < 16 <= row_budget(7)
+    """32 rows cost less than 4: a 4-row chain may take only row_budget(3) rows, so it is
+    not shown as padded to 32; the line names the widths as they would run."""
+    dip = CostModel({1: 1.0, 4: 2.0, 8: 2.2, 16: 2.4, 20: 1.8, 24: 2.6, 32: 1.5})
+    assert row_budget(3) < 32 <= row_budget(15)
     line = describe_padding(dip)
     assert line is not None
     widths = {w: int(pad) for lo, hi, pad in re.findall(r"(\d+)(?:-(\d+))? rows as (\d+)", line)
               for w in range(int(lo), int(hi or lo) + 1)}
-    assert "4 rows as 12" in line  # a single width is named once, not as a range "4-4"
+    assert "16 rows as 32" in line  # a single width is named once, not as a range "16-16"
     assert all(pad <= row_budget(w - 1) for w, pad in widths.items())
-    assert widths[8] == 16 and widths[4] == dip.pad_width(4, row_budget(3)) != 16
+    assert widths[16] == 32 and widths[4] == dip.pad_width(4, row_budget(3)) == 20
 
 
 def test_a_reply_writes_live_corrections_back_to_the_file(

@@ -343,7 +343,8 @@ class BudgetDraft(PaddedDraft):
 def test_trees_are_pruned_at_the_cost_their_step_may_pad_to(target: LoadedModel) -> None:
     """With the dip within the step's row budget the branch rows ride free in the padded
     pass and stay; one row past it they cost what they cost unpadded, and the pruner
-    (priced with the step's budget) keeps chains."""
+    (priced with the step's budget) adds no row to the chain's (a runner-up may still take
+    a deep chain node's row)."""
     model = target.model
     sampling = SamplingParams(temperature=0.8, seed=11)
     plain, _ = run_steps(model, sampling)
@@ -354,7 +355,7 @@ def test_trees_are_pruned_at_the_cost_their_step_may_pad_to(target: LoadedModel)
                                 tree="auto")
         assert spec == plain
         drafted = [s for s in steps if s.n_drafted]
-        assert drafted and any(s.branches for s in drafted) == branched, dip
+        assert drafted and any(s.n_drafted > K for s in drafted) == branched, dip
 
 
 @pytest.mark.parametrize(("ids", "parents", "message"), [

@@ -130,13 +130,13 @@ def test_a_row_budget_below_the_dip_prices_and_pads_within_the_budget() -> None:
 
 
 def test_best_k_prices_each_k_within_its_own_row_budget() -> None:
-    """A dip at 16 rows is reachable by padding only from K >= 7 (row budget 1 + K +
+    """A dip at 32 rows is reachable by padding only from K = 15 (row budget 1 + K +
     EXTRA_NODES): a 4-token draft runs at its own width and must be priced there."""
-    costs = CostModel({1: 1.0, 2: 1.5, 5: 3.0, 13: 3.0, 16: 1.05})
-    assert row_budget(4) == 13 and row_budget(7) == 16
+    costs = CostModel({1: 1.0, 2: 1.5, 5: 3.0, 31: 3.0, 32: 1.05})
+    assert row_budget(4) == 21 and row_budget(15) == 32
     assert best_k(0.3, 0.0, costs, k_max=4) == (0, pytest.approx(1.0))
-    # negative control: the same draft length where padding to 16 rows is allowed
-    assert costs.pad_width(5) == 16 and best_k(0.3, 0.0, costs, k_max=7)[0] == 7
+    # negative control: a draft long enough that padding to 32 rows is allowed
+    assert costs.pad_width(5, row_budget(15)) == 32 and best_k(0.3, 0.0, costs)[0] == 15
 
 
 def test_a_flattened_table_from_before_padding_learns_the_hump_from_live_passes() -> None:
