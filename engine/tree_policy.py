@@ -10,8 +10,9 @@ rival means the drafter itself was unsure, and there its pick is right far less 
 on average (prompt lookup on code edits: 57% at depth 1 where an earlier match continued
 differently, against 92% where they agreed). Any other child wins with (1 - h) b, b the
 chance it is right when its older sibling was wrong. `prune_tree` ranks nodes by that
-chance and keeps the prefix of the ranking with the most expected tokens per second (a
-chain when no prefix pays). `TreeStats` learns h and b.
+chance and keeps the shape with the most expected tokens per second: the main chain plus
+the extra nodes that pay (a chain when none does), or the best-arriving nodes wherever they
+are, at the chain's width or wider. `TreeStats` learns h and b.
 
 A runner-up carries its score gap: how far below the chain's token it scored. For a
 model drafter, under the same coupled noise (at T = 0, the log-ratio of their draft

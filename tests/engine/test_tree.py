@@ -456,3 +456,17 @@ def test_lookup_knows_which_tokens_its_other_matches_continued_with() -> None:
     assert drafter.continued_with(context, 8)  # a first-layer branch's
     assert not drafter.continued_with(context, 9)
     assert not NgramDrafter(branch_min_n=2).continued_with(context, 8)
+
+
+def test_a_row_priced_like_the_chain_must_bring_more_than_the_margin() -> None:
+    """16 and 17 rows priced alike (a monotone table does that). Beside a 15-token chain
+    (about 10.4 tokens expected at 95%), a runner-up at depth 15 that arrives 0.24% of the
+    time gets the row (+0.24 / 10.4 = 0.24% tokens/s, over ROW_MARGIN); one that arrives
+    0.024% of the time does not (+0.02%), though it is free on the table."""
+    chain = tuple(range(10, 25))
+    tree = DraftTree((*chain, 99), (*range(-1, 14), 13))  # a runner-up beside node 14
+    flat = CostModel({1: 1.0, 16: 1.5, 17: 1.5, 32: 3.0})
+    # the runner-up arrives 0.95^14 (its parent) x 0.05 (the chain's node lost) x alt
+    assert arrival(tree, 0.95, [1.0] * 16)[15] == pytest.approx(0.95 ** 14 * 0.05)
+    assert prune_tree(tree, 0.95, 1.0, flat) == tree
+    assert prune_tree(tree, 0.95, 0.1, flat) == DraftTree.chain(chain)
