@@ -326,6 +326,7 @@ class DiskRows:
         self._file, self._offset = file, offset
         self._row_shape, self.dtype = row_shape, dtype
         self._first, self._n = first, n
+        self._row_bytes = int(np.prod(row_shape, dtype=np.int64)) * dtype.itemsize
 
     @classmethod
     def open(cls, path: Path) -> DiskRows:
@@ -364,8 +365,7 @@ class DiskRows:
         a, b, step = key.indices(self._n)
         if step != 1:
             raise TypeError("DiskRows reads contiguous row ranges only")
-        n = max(b - a, 0)
-        row_bytes = int(np.prod(self._row_shape, dtype=np.int64)) * self.dtype.itemsize
+        n, row_bytes = max(b - a, 0), self._row_bytes
         data = os.pread(self._file.fd, n * row_bytes, self._offset + (self._first + a) * row_bytes)
         if len(data) != n * row_bytes:
             raise OSError(f"training data file ended early ({len(data)} of {n * row_bytes} "
@@ -373,8 +373,7 @@ class DiskRows:
         return np.frombuffer(data, dtype=self.dtype).reshape(n, *self._row_shape)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        out = self[:]
-        return out if dtype is None else out.astype(dtype)
+        return self[:] if dtype is None else self.astype(dtype)
 
     def astype(self, dtype: Any) -> np.ndarray:
         return self[:].astype(dtype)
