@@ -52,6 +52,7 @@ from engine.training.data import (
 )
 from engine.training.fit import FitOptions, Trainer, evaluate
 from engine.training.head_init import init_head
+from engine.training.heap import release_freed_heap
 from engine.training.online import OnlineBuffer, online_dir, reply_id
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -303,6 +304,7 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
                                            "the data saved before is kept")) from None
         n_shard += 1
         samples.extend(made)
+        release_freed_heap()
         n_seq, n_tok = data_stats()
         yield TrainProgress("data", n_seq, n_tok, 0, 0, None, None, elapsed(),
                             min(elapsed() / budget, 1.0))
@@ -360,6 +362,7 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
            and (options.max_steps is None or trainer.step < options.max_steps)
            and (options.steps is None or trainer.step - start_step < options.steps)):
         loss = trainer.train_step()
+        release_freed_heap()
         phase = "train"
         where = None
         if (trainer.step - start_step) % options.checkpoint_every == 0:
