@@ -297,13 +297,17 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
                                      max_new=options.max_new,
                                      temperature=options.temperature,
                                      seed=options.fit.seed * 1000 + r * 100 + n_shard)
+        shard = data_dir / f"shard-{n_shard:05d}"
         try:
-            save_shard(data_dir / f"shard-{n_shard:05d}", made)
+            save_shard(shard, made)
         except OSError as e:
             raise EngineError(_not_written("training data", data_dir, e,
                                            "the data saved before is kept")) from None
         n_shard += 1
-        samples.extend(made)
+        # kept as the shard holds them, features read when a batch asks (as a resumed job
+        # reads every shard), not in memory: ~0.5 MB a reply for the demo, so a long data
+        # phase would otherwise hold hundreds of MB
+        samples.extend(load_shard(shard))
         release_freed_heap()
         n_seq, n_tok = data_stats()
         yield TrainProgress("data", n_seq, n_tok, 0, 0, None, None, elapsed(),
