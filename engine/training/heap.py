@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Callable
 from functools import cache
 
 
 @cache
-def _malloc_trim():
+def _malloc_trim() -> Callable[[int], int] | None:
+    """libc's malloc_trim, looked up once; None where libc has none."""
     name = ctypes.util.find_library("c")
     if name is None:
         return None
