@@ -13,19 +13,16 @@ malloc_trim; Metal buffers are not malloc's) it does nothing.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from collections.abc import Callable
 from functools import cache
 
 
 @cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    """libc's malloc_trim, looked up once; None where libc has none."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    """libc's malloc_trim among the symbols this process has loaded (as `blas_core` finds
+    OpenBLAS's); None where libc has none."""
     try:
-        return ctypes.CDLL(name).malloc_trim
+        return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
 
