@@ -1,4 +1,5 @@
-"""Freed heap pages go back to the OS between training steps (`engine.training.heap`)."""
+"""A training step keeps no freed memory resident (`engine.training.heap`): glibc's free
+heap pages go back to the OS, and MLX's buffer cache is off while the step runs."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+
+from engine.training.heap import lean_memory
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="glibc's malloc_trim and /proc are Linux's")
@@ -53,3 +57,30 @@ def test_freed_pages_between_live_blocks_go_back_to_the_os() -> None:
     assert got["kept"] > 150  # negative control: freeing alone returned nothing
     assert got["after"] < got["kept"] - 70  # ~100 MB of free pages returned
     assert got["after"] > 70  # the live half stays
+
+
+def _cache_limit() -> int:
+    previous = mx.set_cache_limit(0)
+    mx.set_cache_limit(previous)
+    return previous
+
+
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
+                    reason="the buffer cache is switched off on the CPU only")
+def test_lean_memory_caches_no_freed_buffer_and_restores_the_limit() -> None:
+    limit = _cache_limit()
+    mx.clear_cache()
+    a = mx.ones((1024, 1024))
+    mx.eval(a)
+    del a
+    assert mx.get_cache_memory() >= 4 * 1024 * 1024  # control: outside, a freed buffer is kept
+    mx.clear_cache()
+    with lean_memory():
+        b = mx.ones((1024, 1024))
+        mx.eval(b)
+        del b
+        assert mx.get_cache_memory() == 0
+    assert _cache_limit() == limit
+    with pytest.raises(RuntimeError), lean_memory():
+        raise RuntimeError("a step that fails")
+    assert _cache_limit() == limit  # restored on the way out of a failed step too
