@@ -52,7 +52,7 @@ from engine.training.data import (
 )
 from engine.training.fit import FitOptions, Trainer, evaluate
 from engine.training.head_init import init_head
-from engine.training.heap import lean_memory
+from engine.training.heap import lean_memory, release_freed_heap
 from engine.training.online import OnlineBuffer, online_dir, reply_id
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -291,13 +291,12 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
         r = int(batch[0].id.rsplit("#r", 1)[-1]) if "#r" in batch[0].id else 0
         forced = [it for it in batch if it.teacher_forced]
         fresh = [it for it in batch if not it.teacher_forced]
-        with lean_memory():
-            made = read_samples(model, target.tokenizer, forced, layers) if forced else []
-            if fresh:
-                made += generate_samples(model, target.tokenizer, fresh, layers,
-                                         max_new=options.max_new,
-                                         temperature=options.temperature,
-                                         seed=options.fit.seed * 1000 + r * 100 + n_shard)
+        made = read_samples(model, target.tokenizer, forced, layers) if forced else []
+        if fresh:
+            made += generate_samples(model, target.tokenizer, fresh, layers,
+                                     max_new=options.max_new,
+                                     temperature=options.temperature,
+                                     seed=options.fit.seed * 1000 + r * 100 + n_shard)
         shard = data_dir / f"shard-{n_shard:05d}"
         try:
             save_shard(shard, made)
@@ -310,6 +309,9 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
         # phase would otherwise hold hundreds of MB
         samples.extend(load_shard(shard))
         del made
+        # not `lean_memory`: generating passes repeat their shapes, which MLX's cache
+        # serves well (with it off, the data phase peaked ~35 MB higher)
+        release_freed_heap()
         n_seq, n_tok = data_stats()
         yield TrainProgress("data", n_seq, n_tok, 0, 0, None, None, elapsed(),
                             min(elapsed() / budget, 1.0))
