@@ -41,3 +41,7 @@ class DemoModelMissingError(EngineError):
 
 class HeadError(EngineError):
     """A trained drafter head is missing, corrupt, or made for another target."""
+
+
+class TrainingDataError(EngineError):
+    """A training data shard is damaged (truncated, or its arrays disagree)."""

@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import make_caches
-from engine.errors import EngineError
+from engine.errors import EngineError, TrainingDataError
+from engine.training.open_files import allow_open_files, too_many_open
 from kernels.compile import compiled_on_main_thread
 
 TOP_K = 16
@@ -381,9 +382,9 @@ class DiskRows:
 
 def save_shard(path: Path, samples: Sequence[Sample]) -> None:
     """Samples -> a shard folder of .npy arrays and meta.json, written under a temporary
-    name and renamed (never half). Plain .npy files load without reading them whole (the
-    features as `DiskRows`, the rest memory-mapped), so the training set stays on disk and
-    in the page cache rather than in the process."""
+    name and renamed (never half). Plain .npy files: the features load as `DiskRows`, read
+    when a batch asks, so the bulk of the training set stays on disk and in the page cache
+    rather than in the process."""
     arrays = {
         "lengths": np.array([len(s.features) for s in samples], dtype=np.int64),
         "tokens": np.concatenate([s.tokens for s in samples]),
@@ -407,10 +408,13 @@ def save_shard(path: Path, samples: Sequence[Sample]) -> None:
 
 
 def load_shard(path: Path) -> list[Sample]:
-    """The samples of one shard (features read on demand, the small arrays
-    memory-mapped); a damaged shard is an error naming it."""
+    """The samples of one shard: the features read on demand (`DiskRows`, one open file a
+    shard), the small arrays read whole (~100 bytes a position: a memory map of each would
+    hold a descriptor of its own, and training reads them all anyway). A damaged shard is
+    a `TrainingDataError` naming it; running out of descriptors is not damage."""
+    allow_open_files()
     try:
-        z: dict[str, Any] = {n: np.load(path / f"{n}.npy", mmap_mode="r")
+        z: dict[str, Any] = {n: np.load(path / f"{n}.npy")
                              for n in SHARD_ARRAYS if n != "features"}
         z["features"] = DiskRows.open(path / "features.npy")
         meta = json.loads((path / "meta.json").read_text())
@@ -418,7 +422,10 @@ def load_shard(path: Path) -> list[Sample]:
         if len(meta) != len(lengths) or sum(lengths) != len(z["features"]):
             raise ValueError("its arrays and meta.json disagree")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise EngineError(f"{path}: damaged training data shard ({e}); delete it") from None
+        line = too_many_open(path, e) if isinstance(e, OSError) else None
+        if line is not None:
+            raise EngineError(line) from None
+        raise TrainingDataError(f"{path}: damaged training data shard ({e}); delete it") from None
     out, o, t = [], 0, 0
     for n, m in zip(lengths, meta, strict=True):
         out.append(Sample(m["id"], z["tokens"][t : t + n + 1], z["features"].rows(o, n),

@@ -34,7 +34,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from engine.errors import EngineError
+from engine.errors import EngineError, TrainingDataError
 from engine.models.taps import Capture, FeatureTap
 from engine.training.data import TOP_K, Item, Sample, load_shard, save_shard, topk_probs
 
@@ -187,7 +187,7 @@ class OnlineBuffer:
                 continue
             try:
                 samples = load_shard(path)
-            except EngineError as e:
+            except TrainingDataError as e:
                 self._set_aside(path, str(e))
                 continue
             size = sum(f.stat().st_size for f in path.iterdir())
@@ -243,7 +243,7 @@ class OnlineBuffer:
                 path = self.folder / _name(seg.seq)
                 try:
                     out.extend(load_shard(path))
-                except EngineError as e:
+                except TrainingDataError as e:  # damaged; other errors are no reason to drop it
                     with self._lock:
                         self._segments = [s for s in self._segments if s.seq != seg.seq]
                     self._set_aside(path, str(e))
@@ -290,7 +290,7 @@ class OnlineBuffer:
                 save_shard(path, [sample])
                 size = sum(f.stat().st_size for f in path.iterdir())
                 self._keep(Segment(seq, len(sample.features), size))
-        except OSError as e:
+        except (OSError, EngineError) as e:
             if path != self.folder:
                 shutil.rmtree(path.with_name(f".{path.name}.tmp"), ignore_errors=True)
             self.on_problem(f"online training buffer: could not write {path} ({e}); "

@@ -202,6 +202,48 @@ def test_two_processes_record_into_one_buffer_at_once(tmp_path: Path) -> None:
     assert len(list(folder.glob("seg-*"))) == 24
 
 
+READ_UNDER_A_LIMIT = (
+    "import resource, sys; from pathlib import Path\n"
+    "from tests.engine.test_online import fake\n"
+    "from engine.errors import EngineError\n"
+    "from engine.training.online import OnlineBuffer\n"
+    "folder, hard = Path(sys.argv[1]), sys.argv[2] == 'hard'\n"
+    "buf = OnlineBuffer(folder)\n"
+    "for i in range(150):\n"
+    "    buf.add(fake(4, i))\n"
+    "buf.close()\n"
+    "_, top = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64 if hard else top))\n"
+    "problems = []\n"
+    "try:\n"
+    "    n = len(OnlineBuffer(folder, on_problem=problems.append).samples())\n"
+    "except EngineError as e:\n"
+    "    n = str(e)\n"
+    "print(repr((n, resource.getrlimit(resource.RLIMIT_NOFILE)[0], problems)))\n"
+)
+
+
+@pytest.mark.parametrize("hard", [False, True], ids=["soft-limit", "hard-limit"])
+def test_more_segments_than_the_open_file_limit_lose_nothing(tmp_path: Path,
+                                                             hard: bool) -> None:
+    """Each loaded segment holds its features file open. A macOS process starts with room
+    for 256: the buffer raises its soft limit, and where the hard one forbids that, says
+    so in one line and sets no good segment aside as damaged."""
+    folder = tmp_path / "buf"
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", READ_UNDER_A_LIMIT, str(folder),
+                          "hard" if hard else "soft"], cwd=root, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    n, limit, problems = eval(out)  # noqa: S307 - our own subprocess's repr
+    assert problems == []
+    assert len(list(folder.glob("seg-*[0-9]"))) == 150 and not list(folder.glob("*.damaged"))
+    if hard:
+        assert limit == 64
+        assert "too many open files to read the training data" in n and "intact" in n
+    else:
+        assert limit > 150 and n == 150
+
+
 def test_damaged_segment_is_set_aside_with_one_line_and_the_chat_goes_on(
         target: LoadedModel, tmp_path: Path) -> None:
     folder = tmp_path / "buf"
