@@ -78,10 +78,15 @@ def run(args: argparse.Namespace) -> int:
         if p.phase == "data":
             print(f"data   {p.data_sequences:5d} replies {p.data_tokens:7d} tokens  "
                   f"{p.elapsed_s:6.0f}s", file=sys.stderr)
+        elif p.phase == "done" and not p.checkpoint:
+            continue  # no step was trained: said once below
         elif p.phase in ("checkpoint", "done") or p.step % 25 == 0:
             top1 = f"  held-out top-1 {p.heldout_top1:.3f}" if p.heldout_top1 is not None else ""
             print(f"{p.phase:<6} step {p.step:6d}  loss {p.loss if p.loss is not None else 0:7.3f}"
                   f"  tokens {p.tokens_seen:8d}{top1}  {p.elapsed_s:6.0f}s", file=sys.stderr)
     if last is not None and last.checkpoint:
         print(f"head saved: {last.checkpoint}")
+    elif last is not None:
+        print(f"no head yet: the time went to making data ({last.data_sequences} replies, "
+              "kept); run again to train from it", file=sys.stderr)
     return 0

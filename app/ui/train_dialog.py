@@ -44,7 +44,7 @@ class TrainDrafterDialog(QWidget):
         self.progress = QProgressBar()
         self.progress.setMinimumWidth(380)
         self.progress.setRange(0, 1000)
-        self.status = QLabel("Not started")
+        self.status = QLabel()
         self.status.setWordWrap(True)
         self.start_button = QPushButton("Start")
         self.stop_button = QPushButton("Stop")
@@ -66,7 +66,17 @@ class TrainDrafterDialog(QWidget):
         worker = controller.host.worker
         worker.training_progressed.connect(self._on_training_progressed)
         worker.training_ended.connect(self._on_training_ended)
+        self._say("Not started")
         self.refresh()
+
+    def _say(self, text: str) -> None:
+        """Show a status line, growing the window's height when the wrapped text needs it
+        (a shown window keeps its size, and a longer message was clipped)."""
+        self.status.setText(text)
+        layout = self.layout()
+        needed = layout.totalHeightForWidth(self.width()) if layout.hasHeightForWidth() else -1
+        if needed > self.height():
+            self.resize(self.width(), needed)
 
     @property
     def running(self) -> bool:
@@ -87,12 +97,12 @@ class TrainDrafterDialog(QWidget):
         self.stop_button.setEnabled(True)
         self.minutes.setEnabled(False)
         self.progress.setValue(0)
-        self.status.setText("Starting…")
+        self._say("Starting…")
 
     def stop(self) -> None:
         self.controller.host.cancel_training()
         self.stop_button.setEnabled(False)
-        self.status.setText("Stopping after a checkpoint…")
+        self._say("Stopping after a checkpoint…")
 
     def _on_training_progressed(self, p) -> None:
         self.progress.setValue(int(p.fraction * 1000))
@@ -102,17 +112,21 @@ class TrainDrafterDialog(QWidget):
             parts.append(f"step {p.step}, loss {p.loss:.3f}")
         if p.heldout_top1 is not None:
             parts.append(f"held-out top-1 {p.heldout_top1:.1%}")
-        self.status.setText(" · ".join(parts))
+        self._say(" · ".join(parts))
 
     def _on_training_ended(self, last, error: str) -> None:
         self.start_button.setEnabled(True)
         self.stop_button.setEnabled(False)
         self.minutes.setEnabled(True)
         if error:
-            self.status.setText(f"Stopped: {error}")
+            self._say(f"Stopped: {error}")
+        elif last is not None and not last.checkpoint:
+            self._say(f"No drafter yet: the time went to making data "
+                                f"({last.data_sequences} replies, kept). Start again to "
+                                "train from it.")
         elif last is not None:
             self.progress.setValue(1000)
             top1 = (f", held-out top-1 {last.heldout_top1:.1%}"
                     if last.heldout_top1 is not None else "")
-            self.status.setText(f"Saved after {last.step} steps{top1}. Pick 'head' or "
+            self._say(f"Saved after {last.step} steps{top1}. Pick 'head' or "
                                 "'auto' as the drafter to use it.")

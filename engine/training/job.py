@@ -316,8 +316,10 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
         yield TrainProgress("data", n_seq, n_tok, 0, 0, None, None, elapsed(),
                             min(elapsed() / budget, 1.0))
 
-    if cancel is not None and cancel.is_set() and ckpt is None:
-        # stopped while making data: keep the data, write no untrained head
+    if ckpt is None and stopped():
+        # stopped, or the time spent, while making data: keep the data and write no
+        # untrained head (a head of 0 steps would be offered as a drafter that drafts
+        # nothing useful); the next run goes on from the data
         n_seq, n_tok = data_stats()
         yield TrainProgress("done", n_seq, n_tok, 0, 0, None, None, elapsed(),
                             min(elapsed() / budget, 1.0))

@@ -51,6 +51,24 @@ def test_train_then_generate_with_the_head(tiny4: Path, tmp_path: Path,
     assert out["stats"]["drafted"] > 0
 
 
+def test_minutes_spent_on_data_say_no_head_yet(tiny4: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path / "data"))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."})
+                                 for i in range(6)))
+    assert main(["train-drafter", "--model", str(tiny4), "--minutes", "0.000001",
+                 "--data", str(prompts)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == ""  # no "head saved"
+    # one batch of replies (16: 6 prompts, 4 rounds), and no "done step 0" line
+    assert "no head yet: the time went to making data (16 replies, kept)" in captured.err
+    assert "step" not in captured.err
+    root = head_root(tiny4)
+    assert current_checkpoint(root) is None and list((root / "data").glob("shard-*"))
+
+
 def test_bad_data_file_is_one_line(tiny4: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text("{oops\n")

@@ -76,3 +76,24 @@ def test_training_progress_pause_on_send_and_stop(qtbot, make_gui, target: Path,
     qtbot.waitUntil(lambda: not gui.controller.generating and bool(drafters), timeout=TIMEOUT)
     assert "head" in drafters
     assert not gui.window.banner.isVisible()
+
+
+def test_a_job_that_only_made_data_says_no_drafter_yet(qtbot, make_gui, target: Path,
+                                                       screenshots_dir: Path) -> None:
+    """The job's last report when its minutes went to making data has no checkpoint: the
+    window must not claim a head was saved."""
+    from engine.training.job import TrainProgress
+
+    gui = make_gui(ChatSettings(target=str(target), drafter="auto", max_tokens=16))
+    gui.window.show_train_drafter()
+    dialog = gui.window.train_dialog
+    worker = gui.host.worker
+    only_data = TrainProgress("done", 16, 1200, 0, 0, None, None, 60.0, 1.0)
+    worker.training_ended.emit(only_data, "")
+    qtbot.waitUntil(lambda: dialog.status.text().startswith("No drafter yet"), timeout=10_000)
+    assert "16 replies, kept" in dialog.status.text() and "Saved" not in dialog.status.text()
+    dialog.grab().save(str(screenshots_dir / "train_drafter_data_only.png"))
+    saved = TrainProgress("done", 16, 1200, 5, 900, 2.5, 0.25, 60.0, 1.0, "/x/ckpt-0000005")
+    worker.training_ended.emit(saved, "")
+    qtbot.waitUntil(lambda: dialog.status.text().startswith("Saved after 5 steps"),
+                    timeout=10_000)

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -418,6 +419,23 @@ def test_checkpoints_never_leave_a_half_written_head(target: LoadedModel,
     assert sorted(p.name for p in (root / "ckpt-0000002").iterdir()) == [
         "config.json", "model.safetensors", "optimizer.safetensors", "trainer.json",
         "training.json"]
+
+
+def test_a_job_whose_time_went_to_data_keeps_it_and_writes_no_untrained_head(
+        target: LoadedModel, tmp_path: Path) -> None:
+    """A budget spent making data (a first short run) saves the data and no head of 0
+    steps, which `auto` would be offered as a drafter; the next run trains from it."""
+    root = tmp_path / "r"
+    short = replace(_options(2), minutes=1e-6)  # spent by the first batch of replies
+    events = list(train_drafter(target, short, root=root))
+    assert [e.phase for e in events] == ["data", "done"]
+    assert events[-1].checkpoint is None and events[-1].step == 0
+    assert current_checkpoint(root) is None and not list(root.glob("ckpt-*"))
+    assert sorted(p.name for p in (root / "data").iterdir()) == ["shard-00000"]
+    rest = list(train_drafter(target, _options(2), root=root))
+    assert rest[-1].phase == "done" and rest[-1].step == 2
+    assert current_checkpoint(root).name == "ckpt-0000002"
+    assert (root / "data" / "shard-00000").is_dir()  # the first run's data, trained on
 
 
 def test_time_budget_must_be_positive(target: LoadedModel) -> None:
