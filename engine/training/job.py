@@ -53,9 +53,11 @@ from engine.training.data import (
 from engine.training.fit import FitOptions, Trainer, evaluate
 from engine.training.head_init import init_head
 from engine.training.heap import lean_memory, release_freed_heap
+from engine.training.locks import exclusive
 from engine.training.online import OnlineBuffer, online_dir, reply_id
 
 OPTIMIZER_FILE = "optimizer.safetensors"
+JOB_LOCK = ".job.lock"  # held by the running job (its process id inside)
 TRAINER_FILE = "trainer.json"
 
 
@@ -249,10 +251,13 @@ def train_drafter(target, options: TrainOptions | None = None,
     if options.minutes <= 0:
         raise EngineError(f"--minutes must be positive, got {options.minutes}")
     clock = ActiveClock()
-    for progress in _run(target, options, cancel, root, clock.elapsed):
-        clock.pause()
-        yield progress
-        clock.resume()
+    root = root or head_root(target.path)
+    with exclusive(root / JOB_LOCK, wait=False,
+                   busy=f"another drafter training job for {target.name} is running"):
+        for progress in _run(target, options, cancel, root, clock.elapsed):
+            clock.pause()
+            yield progress
+            clock.resume()
 
 
 def _run(target, options: TrainOptions, cancel: threading.Event | None,

@@ -21,12 +21,11 @@ Off (no tap, nothing written) unless a front end passes a buffer to the `ChatSes
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import logging
 import shutil
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ import numpy as np
 from engine.errors import EngineError, TrainingDataError
 from engine.models.taps import Capture, FeatureTap
 from engine.training.data import TOP_K, Item, Sample, load_shard, save_shard, topk_probs
+from engine.training.locks import exclusive
 
 log = logging.getLogger(__name__)
 
@@ -47,17 +47,10 @@ SEGMENT_GLOB = "seg-*[0-9]"
 LOCK_FILE = ".lock"
 
 
-@contextlib.contextmanager
-def folder_lock(folder: Path) -> Iterator[None]:
+def folder_lock(folder: Path) -> contextlib.AbstractContextManager[None]:
     """Hold the buffer folder's advisory lock (exclusive, across processes and across
-    buffers within one process: each open file holds its own lock)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / LOCK_FILE, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    buffers within one process), waiting for another writer to finish."""
+    return exclusive(folder / LOCK_FILE)
 
 
 def reply_id(text: str) -> str:

@@ -414,7 +414,7 @@ def test_checkpoints_never_leave_a_half_written_head(target: LoadedModel,
     root = tmp_path / "r"
     list(train_drafter(target, _options(2), root=root))
     names = sorted(p.name for p in root.iterdir())
-    assert names == ["ckpt-0000002", "current.json", "data"]
+    assert names == [".job.lock", "ckpt-0000002", "current.json", "data"]
     assert not list(root.rglob(".*.tmp"))
     assert sorted(p.name for p in (root / "ckpt-0000002").iterdir()) == [
         "config.json", "model.safetensors", "optimizer.safetensors", "trainer.json",
@@ -436,6 +436,33 @@ def test_a_job_whose_time_went_to_data_keeps_it_and_writes_no_untrained_head(
     assert rest[-1].phase == "done" and rest[-1].step == 2
     assert current_checkpoint(root).name == "ckpt-0000002"
     assert (root / "data" / "shard-00000").is_dir()  # the first run's data, trained on
+
+
+def test_a_second_job_on_one_head_is_refused_in_one_line(target: LoadedModel,
+                                                         tmp_path: Path) -> None:
+    """Two jobs on one head folder made the same shard numbers, and the second ended with
+    a write error that blamed the disk. The second is refused, naming the first's process;
+    once the first ends (or dies: the lock is the kernel's) a job runs again."""
+    import os
+
+    from engine.training.locks import BusyError
+
+    root = tmp_path / "r"
+    first = train_drafter(target, _options(2), root=root)
+    assert next(first).phase == "data"  # running, between two slices
+    with pytest.raises(BusyError, match=rf"another drafter training job for \S+ is running "
+                                        rf"\(process {os.getpid()}, holding .*\.job\.lock\)"):
+        next(train_drafter(target, _options(2), root=root))
+    assert sorted(p.name for p in (root / "data").iterdir()) == ["shard-00000"]
+    rest = list(first)  # the first job was not disturbed
+    assert rest[-1].phase == "done" and rest[-1].step == 2
+    again = list(train_drafter(target, _options(4), root=root))
+    assert again[-1].step == 4
+    # a job closed early (the app's Stop, a dropped generator) lets the next one in too
+    early = train_drafter(target, _options(6), root=root)
+    next(early)
+    early.close()
+    assert list(train_drafter(target, _options(6), root=root))[-1].step == 6
 
 
 def test_time_budget_must_be_positive(target: LoadedModel) -> None:

@@ -1,0 +1,47 @@
+"""Advisory locks on files, shared between processes.
+
+Two uses: the online buffer's folder lock, which writers wait for in turn (the app and
+`chat --learn` may record into one buffer), and a training job's lock on its head folder,
+which a second job is refused (two jobs made the same shard numbers, and the second ended
+with a write error that blamed the disk). `flock` locks belong to an open file, so two
+jobs in one process exclude each other as two processes do, and the kernel drops a lock
+whose holder dies: a crashed job never leaves the folder locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from engine.errors import EngineError
+
+
+class BusyError(EngineError):
+    """Another job holds the lock (its process id, when it wrote one, is in the message)."""
+
+
+@contextlib.contextmanager
+def exclusive(path: Path, *, wait: bool = True, busy: str = "") -> Iterator[None]:
+    """Hold the exclusive lock on `path` (created with its folder). With `wait` off, a
+    lock held elsewhere is a `BusyError`: `busy` names what holds it, then its process id;
+    the holder writes its id into the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            owner = handle.read(32).decode(errors="replace").strip()
+            raise BusyError(f"{busy} (process {owner or 'unknown'}, holding {path}); wait "
+                            "for it to end or stop it, then try again") from None
+        try:
+            if not wait:
+                handle.truncate(0)
+                handle.write(f"{os.getpid()}\n".encode())
+                handle.flush()
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
