@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,16 +53,16 @@ class Item:
 
 @dataclass
 class Sample:
-    """One sequence: tokens (n+1,) of which the first n were fed; features (n, F) float16
-    (`DiskRows` when loaded from a shard); the target's top-k next-token ids/probs at each
-    fed position (n, TOP_K); `start`: the first position whose next token belongs to the
-    reply (loss is taken from there)."""
+    """One sequence: tokens (n+1,) of which the first n were fed; features (n, F) float16;
+    the target's top-k next-token ids/probs at each fed position (n, TOP_K); `start`: the
+    first position whose next token belongs to the reply (loss is taken from there). The
+    per-position arrays are `DiskRows` when loaded from a shard: read by row ranges."""
 
     id: str
     tokens: np.ndarray
     features: np.ndarray | DiskRows
-    top_ids: np.ndarray
-    top_p: np.ndarray
+    top_ids: np.ndarray | DiskRows
+    top_p: np.ndarray | DiskRows
     start: int
     heldout: bool
 
@@ -299,6 +299,7 @@ def _sample(item: Item, tokens: np.ndarray, feats: list[np.ndarray], ids: list[n
 
 
 SHARD_ARRAYS = ("lengths", "tokens", "features", "top_ids", "top_p")
+ROW_ARRAYS = ("features", "top_ids", "top_p")  # a row per fed position, read on demand
 
 
 class _OpenFile:
@@ -373,6 +374,10 @@ class DiskRows:
                           "bytes)")
         return np.frombuffer(data, dtype=self.dtype).reshape(n, *self._row_shape)
 
+    def __iter__(self) -> Iterator[np.ndarray]:
+        """Row by row, from one read of them all."""
+        return iter(self[:])
+
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         return self[:] if dtype is None else self.astype(dtype)
 
@@ -382,9 +387,9 @@ class DiskRows:
 
 def save_shard(path: Path, samples: Sequence[Sample]) -> None:
     """Samples -> a shard folder of .npy arrays and meta.json, written under a temporary
-    name and renamed (never half). Plain .npy files: the features load as `DiskRows`, read
-    when a batch asks, so the bulk of the training set stays on disk and in the page cache
-    rather than in the process."""
+    name and renamed (never half). Plain .npy files: the per-position arrays load as
+    `DiskRows`, read when a batch asks, so the training set stays on disk and in the page
+    cache rather than in the process."""
     arrays = {
         "lengths": np.array([len(s.features) for s in samples], dtype=np.int64),
         "tokens": np.concatenate([s.tokens for s in samples]),
@@ -408,18 +413,17 @@ def save_shard(path: Path, samples: Sequence[Sample]) -> None:
 
 
 def load_shard(path: Path) -> list[Sample]:
-    """The samples of one shard: the features read on demand (`DiskRows`, one open file a
-    shard), the small arrays read whole (~100 bytes a position: a memory map of each would
-    hold a descriptor of its own, and training reads them all anyway). A damaged shard is
-    a `TrainingDataError` naming it; running out of descriptors is not damage."""
+    """The samples of one shard: the per-position arrays (features, top-k ids and
+    probabilities) read on demand as `DiskRows`, one open file each; the token ids read
+    whole (4 bytes a position). A damaged shard is a `TrainingDataError` naming it;
+    running out of descriptors is not damage."""
     allow_open_files()
     try:
-        z: dict[str, Any] = {n: np.load(path / f"{n}.npy")
-                             for n in SHARD_ARRAYS if n != "features"}
-        z["features"] = DiskRows.open(path / "features.npy")
+        z: dict[str, Any] = {n: np.load(path / f"{n}.npy") for n in ("lengths", "tokens")}
+        z.update({n: DiskRows.open(path / f"{n}.npy") for n in ROW_ARRAYS})
         meta = json.loads((path / "meta.json").read_text())
         lengths = z["lengths"].tolist()
-        if len(meta) != len(lengths) or sum(lengths) != len(z["features"]):
+        if len(meta) != len(lengths) or any(sum(lengths) != len(z[n]) for n in ROW_ARRAYS):
             raise ValueError("its arrays and meta.json disagree")
     except (OSError, ValueError, KeyError, TypeError) as e:
         line = too_many_open(path, e) if isinstance(e, OSError) else None
@@ -429,7 +433,7 @@ def load_shard(path: Path) -> list[Sample]:
     out, o, t = [], 0, 0
     for n, m in zip(lengths, meta, strict=True):
         out.append(Sample(m["id"], z["tokens"][t : t + n + 1], z["features"].rows(o, n),
-                          z["top_ids"][o : o + n], z["top_p"][o : o + n], int(m["start"]),
+                          z["top_ids"].rows(o, n), z["top_p"].rows(o, n), int(m["start"]),
                           bool(m["heldout"])))
         o, t = o + n, t + n + 1
     return out

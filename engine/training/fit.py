@@ -81,20 +81,24 @@ def make_batch(samples: Sequence[Sample], picks: Sequence[tuple[int, int]], wind
         n = len(s.features)
         rows = min(T, n - a)
         feats[b, :rows] = s.features[a : a + rows]
+        # the label rows these chains reach, read once (row ranges: they may be on disk)
+        span = slice(a, min(n, a + rows + unroll))
+        top_ids, top_p = s.top_ids[span], s.top_p[span].astype(np.float32)
         for st in range(unroll):
             j = np.arange(a, a + rows)  # chain positions
             t = j + st + 1  # input token index; label position is t (predicts x_{t+1})
             ok = t < n  # a label exists (features and distribution at t)
             tt = np.where(ok, t, 0)
+            local = np.where(ok, t - a, 0)
             ids[st, b, :rows] = np.where(ok, s.tokens[tt], 0)
-            hot = lift_index[s.top_ids[tt]]  # (rows, k); Vd = not hot
-            p = np.where(hot < Vd, s.top_p[tt].astype(np.float32), 0.0)
+            hot = lift_index[top_ids[local]]  # (rows, k); Vd = not hot
+            p = np.where(hot < Vd, top_p[local], 0.0)
             mass = p.sum(-1)
             use = ok & (t >= s.start) & (mass > 0)
             lab[st, b, :rows] = np.where(hot < Vd, hot, 0)
             lp[st, b, :rows] = p / np.maximum(mass, 1e-9)[:, None]
             mask[st, b, :rows] = use
-            best = np.argmax(s.top_p[tt].astype(np.float32), axis=-1)
+            best = np.argmax(top_p[local], axis=-1)
             top1_hot = hot[np.arange(rows), best]
             top1[st, b, :rows] = np.where(top1_hot < Vd, top1_hot, -1)
     return Batch(mx.array(feats), [mx.array(x) for x in ids], [mx.array(x) for x in lab],

@@ -255,6 +255,29 @@ def test_unrolled_training_computes_what_drafting_computes(target: LoadedModel,
     assert mx.allclose(head.logits(out2[:, -1]), step2[:, j], atol=1e-4)
 
 
+def test_batches_from_a_shard_on_disk_equal_batches_from_memory(target: LoadedModel,
+                                                               samples, tmp_path: Path) -> None:
+    """A loaded shard's per-position arrays are read by row ranges (`DiskRows`), the
+    windows and unrolled label rows included, up to each sample's end."""
+    V = target.model.args.vocab_size
+    lift = np.array(init_head(target.model, choose_hot_ids(samples, V, 64), LAYERS, 0)
+                    .lift_index)
+    save_shard(tmp_path / "shard-00000", samples)
+    loaded = load_shard(tmp_path / "shard-00000")
+    assert all(isinstance(x, DiskRows) for s in loaded for x in (s.top_ids, s.top_p))
+    picks = [(i, a) for i, a in windows(samples, 8)][:12]
+    assert any(a > 0 for _, a in picks)  # windows that start inside a sample
+    for unroll in (1, 3):
+        want = make_batch(samples, picks, 8, unroll, lift)
+        got = make_batch(loaded, picks, 8, unroll, lift)
+        for name in ("features", "ids", "label_ids", "label_p", "mask", "top1"):
+            a, b = getattr(want, name), getattr(got, name)
+            for x, y in zip(a if isinstance(a, list) else [a],
+                            b if isinstance(b, list) else [b], strict=True):
+                assert mx.array_equal(x, y).item(), (name, unroll)
+        assert want.n_tokens == got.n_tokens > 0
+
+
 def test_loss_falls_on_a_fixed_batch(target: LoadedModel, samples) -> None:
     V = target.model.args.vocab_size
     head = init_head(target.model, choose_hot_ids(samples, V, 10_000), LAYERS, 0)
