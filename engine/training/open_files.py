@@ -1,9 +1,9 @@
-"""Room for one open file per training data shard.
+"""Room for the open files of the training data's shards.
 
-A loaded shard keeps its features file open (`DiskRows` reads rows on demand, and the open
-descriptor keeps a segment the online buffer drops readable). The builtin data of a long
-job is 75 shards and the online buffer holds one reply per segment, up to thousands of
-them; macOS starts a process with a soft limit of 256 descriptors (Linux: 1024). Past the
+A loaded shard keeps its three per-position files open (`DiskRows` reads rows on
+demand, and an open descriptor keeps a segment the online buffer drops readable). The
+builtin data of a long job is 75 shards and the online buffer holds one reply per
+segment, up to thousands of them; macOS starts a process with a soft limit of 256 descriptors (Linux: 1024). Past the
 limit every further shard failed to open, and the online buffer took that failure for
 damage and set good segments aside. Any process may raise its soft limit up to its hard
 one, as other apps that hold many files do; macOS refuses more than `OPEN_MAX` there.
