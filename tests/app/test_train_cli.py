@@ -156,3 +156,40 @@ def test_a_full_disk_is_one_line_and_the_last_head_stays_in_use(
     assert head.config.aux_layers == default_layers(target.model.n_layers)
     assert main(["generate", "--model", str(tiny4), "--drafter", "head", "--k", "2",
                  "--prompt", "Hello world", "--max-tokens", "8"]) == 0
+
+
+def test_a_job_killed_mid_run_leaves_no_lock_and_the_next_one_goes_on(
+        tiny4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """kill -9 while a job holds its head folder: the lock dies with the process (its
+    `.job.lock` file, naming the dead pid, stays), so the next job runs, on the data
+    the killed one saved."""
+    data = tmp_path / "data"
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(data))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."})
+                                 for i in range(40)))
+    env = {**os.environ, "UNDERSTUDY_DATA_DIR": str(data)}
+    args = ["train-drafter", "--model", str(tiny4), "--data", str(prompts)]
+    job = subprocess.Popen([sys.executable, "-m", "app.cli", *args, "--minutes", "30"],
+                           cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        assert job.stderr is not None
+        while not job.stderr.readline().startswith("data"):  # a shard is on disk
+            assert job.poll() is None, "the job ended before it made data"
+        busy = subprocess.run([sys.executable, "-m", "app.cli", *args, "--minutes", "1"],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert busy.returncode == 1
+        assert f"is running (process {job.pid}," in busy.stderr.splitlines()[-1]
+    finally:
+        job.kill()
+        job.wait(timeout=60)
+    root = head_root(Path(load_model(str(tiny4)).path))
+    assert (root / ".job.lock").read_text().strip() == str(job.pid)
+    made = sorted(p.name for p in (root / "data").glob("shard-*[0-9]"))
+    assert made and current_checkpoint(root) is None
+    again = subprocess.run([sys.executable, "-m", "app.cli", *args, "--minutes", "5",
+                            "--max-steps", "2"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert current_checkpoint(root).name == "ckpt-0000002"
+    assert set(made) <= {p.name for p in (root / "data").glob("shard-*[0-9]")}
