@@ -217,6 +217,8 @@ def test_shards_round_trip_and_damage_is_named(samples, tmp_path: Path) -> None:
     held = load_shard(copy)
     shutil.rmtree(copy)
     assert np.array_equal(held[0].features[:3], np.asarray(samples[0].features)[:3])
+    assert np.array_equal(held[0].top_ids[:3], samples[0].top_ids[:3])
+    assert np.array_equal(held[0].top_p[:3], samples[0].top_p[:3])
     (path / "features.npy").write_bytes((path / "features.npy").read_bytes()[:100])
     with pytest.raises(EngineError, match="shard-00000: damaged"):
         load_shard(path)
