@@ -28,8 +28,12 @@ def exclusive(path: Path, *, wait: bool = True, busy: str = "") -> Iterator[None
     """Hold the exclusive lock on `path` (created with its folder). With `wait` off, a
     lock held elsewhere is a `BusyError`: `busy` names what holds it, then its process id;
     the holder writes its id into the file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as handle:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a+b")  # noqa: SIM115 - closed below, after the unlock
+    except OSError as e:
+        raise EngineError(f"{path}: cannot open the lock file ({e.strerror or e})") from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

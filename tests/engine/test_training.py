@@ -508,3 +508,13 @@ def test_time_the_caller_holds_the_job_is_not_spent_from_its_minutes() -> None:
     paused.resume()
     assert paused.elapsed() < 0.1
     assert running.elapsed() >= 0.3
+
+
+def test_a_lock_file_that_cannot_be_opened_is_one_line(target: LoadedModel,
+                                                       tmp_path: Path) -> None:
+    """Hand-damaged app-data: a folder where the job's lock file goes."""
+    root = tmp_path / "r"
+    (root / ".job.lock").mkdir(parents=True)
+    with pytest.raises(EngineError, match=r"\.job\.lock: cannot open the lock file"):
+        next(train_drafter(target, _options(2), root=root))
+    assert not (root / "data").exists()  # nothing started
