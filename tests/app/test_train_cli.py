@@ -27,6 +27,14 @@ def tiny4(tmp_path: Path) -> Path:
     return write_tiny_model(tmp_path / "tiny4", num_hidden_layers=4, seed=1)
 
 
+def numbered_prompts(folder: Path, n: int) -> Path:
+    """A --data file of `n` short prompts."""
+    path = folder / "p.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."})
+                              for i in range(n)))
+    return path
+
+
 def test_head_without_training_is_a_one_line_error(tiny4: Path, tmp_path: Path) -> None:
     proc = cli("generate", "--model", str(tiny4), "--drafter", "head", "--prompt", "Hi",
                data_dir=tmp_path / "data")
@@ -37,9 +45,7 @@ def test_train_then_generate_with_the_head(tiny4: Path, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path / "data"))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."})
-                                 for i in range(6)))
+    prompts = numbered_prompts(tmp_path, 6)
     assert main(["train-drafter", "--model", str(tiny4), "--minutes", "5", "--data",
                  str(prompts), "--max-steps", "3"]) == 0
     captured = capsys.readouterr()
@@ -55,9 +61,7 @@ def test_minutes_spent_on_data_say_no_head_yet(tiny4: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path / "data"))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."})
-                                 for i in range(6)))
+    prompts = numbered_prompts(tmp_path, 6)
     assert main(["train-drafter", "--model", str(tiny4), "--minutes", "0.000001",
                  "--data", str(prompts)]) == 0
     captured = capsys.readouterr()
@@ -123,9 +127,7 @@ def test_a_full_disk_is_one_line_and_the_last_head_stays_in_use(
         tiny4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str) -> None:
     data = tmp_path / "data"
     monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(data))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."})
-                                 for i in range(6)))
+    prompts = numbered_prompts(tmp_path, 6)
     assert main(["train-drafter", "--model", str(tiny4), "--minutes", "5", "--data",
                  str(prompts), "--max-steps", "3"]) == 0
     target = load_model(str(tiny4))
@@ -165,9 +167,7 @@ def test_a_job_killed_mid_run_leaves_no_lock_and_the_next_one_goes_on(
     the killed one saved."""
     data = tmp_path / "data"
     monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(data))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("\n".join(json.dumps({"prompt": f"Tell me about number {i}."})
-                                 for i in range(40)))
+    prompts = numbered_prompts(tmp_path, 40)
     env = {**os.environ, "UNDERSTUDY_DATA_DIR": str(data)}
     args = ["train-drafter", "--model", str(tiny4), "--data", str(prompts)]
     job = subprocess.Popen([sys.executable, "-m", "app.cli", *args, "--minutes", "30"],
