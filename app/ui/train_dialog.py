@@ -122,11 +122,10 @@ class TrainDrafterDialog(QWidget):
             self._say(f"Stopped: {error}")
         elif last is not None and not last.checkpoint:
             self._say(f"No drafter yet: the time went to making data "
-                                f"({last.data_sequences} replies, kept). Start again to "
-                                "train from it.")
+                      f"({last.data_sequences} replies, kept). Start again to train from it.")
         elif last is not None:
             self.progress.setValue(1000)
             top1 = (f", held-out top-1 {last.heldout_top1:.1%}"
                     if last.heldout_top1 is not None else "")
-            self._say(f"Saved after {last.step} steps{top1}. Pick 'head' or "
-                                "'auto' as the drafter to use it.")
+            self._say(f"Saved after {last.step} steps{top1}. Pick 'head' or 'auto' as the "
+                      "drafter to use it.")

@@ -261,9 +261,8 @@ def train_drafter(target, options: TrainOptions | None = None,
 
 
 def _run(target, options: TrainOptions, cancel: threading.Event | None,
-         root: Path | None, elapsed: Callable[[], float]) -> Iterator[TrainProgress]:
+         root: Path, elapsed: Callable[[], float]) -> Iterator[TrainProgress]:
     model = target.model
-    root = root or head_root(target.path)
     data_dir = root / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     budget = options.minutes * 60.0
