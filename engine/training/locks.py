@@ -41,6 +41,8 @@ def exclusive(path: Path, *, wait: bool = True, busy: str = "") -> Iterator[None
             owner = handle.read(32).decode(errors="replace").strip()
             raise BusyError(f"{busy} (process {owner or 'unknown'}, holding {path}); wait "
                             "for it to end or stop it, then try again") from None
+        except OSError as e:  # a file system without locks (some network shares)
+            raise EngineError(f"{path}: cannot lock it ({e.strerror or e})") from None
         try:
             if not wait:
                 handle.truncate(0)
