@@ -282,8 +282,12 @@ def read_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[int],
         read = read_positions(model, grid, np.ones(grid.shape, dtype=bool), caches, layers,
                               top_k)
         start = max(min(len(prompt), len(full) - 1) - 1, 0)
-        out.append(_sample(it, np.array(full, dtype=np.int32), [read.feats[0]],
-                           [read.top_ids[0]], [read.top_p[0]], start))
+        # kept from the last prompt token, as the online buffer keeps a reply: no earlier
+        # row is a label, and each turn of a long chat is an item that would otherwise
+        # store its whole context again (disk growing with the square of the turns)
+        out.append(_sample(it, np.array(full[start:], dtype=np.int32),
+                           [read.feats[0][start:]], [read.top_ids[0][start:]],
+                           [read.top_p[0][start:]], 0))
     return out
 
 

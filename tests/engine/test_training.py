@@ -52,6 +52,7 @@ from engine.training.fit import (
 )
 from engine.training.head_init import init_head
 from engine.training.job import TrainOptions, choose_hot_ids, train_drafter
+from tests.engine.test_online import assert_same_distribution, teacher_forced
 from tests.fixtures.tiny_models import write_tiny_model
 
 LAYERS = (2, 2, 1)
@@ -177,8 +178,14 @@ def test_history_is_read_teacher_forced(target: LoadedModel) -> None:
     (s,) = read_samples(target.model, target.tokenizer, got, LAYERS)
     full = target.tokenizer.encode_chat(conv, add_generation_prompt=False)
     prompt = target.tokenizer.encode_chat(conv[:1])
-    assert s.tokens.tolist() == full and s.start == len(prompt) - 1
-    assert len(s.features) == len(full) - 1
+    # kept from the last prompt token (as the online buffer keeps a reply): the rows of
+    # one pass over the whole conversation from there on
+    cut = len(prompt) - 1
+    assert s.tokens.tolist() == full[cut:] and s.start == 0
+    feats, top_ids, top_p = teacher_forced(target, full[:-1], LAYERS)
+    assert len(s.features) == len(full) - 1 - cut
+    assert np.allclose(np.asarray(s.features, np.float32), feats[cut:], atol=2e-2)
+    assert_same_distribution(s.top_ids, s.top_p, top_ids[cut:], top_p[cut:])
     with pytest.raises(EngineError, match="history: no assistant replies"):
         history_items([[{"role": "user", "content": "hi"}]])
 
