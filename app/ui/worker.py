@@ -242,7 +242,8 @@ class EngineWorker(QObject):
         target, and enough new recorded positions since it last trained, start a short
         fine-tune from them (between replies, like the training window's job)."""
         from engine.drafters.head_io import current_checkpoint, head_root, read_record
-        from engine.training.job import finetune_options, train_drafter
+        from engine.training.job import JOB_LOCK, finetune_options, train_drafter
+        from engine.training.locks import held_elsewhere
         from engine.training.online import due_for_finetune
 
         if not settings.improve_drafter or self._training is not None or self._online is None:
@@ -250,7 +251,10 @@ class EngineWorker(QObject):
         if self._trained_head() is None:
             return
         buffer = self._online[1]
-        ckpt = current_checkpoint(head_root(self._target.path))
+        root = head_root(self._target.path)
+        if held_elsewhere(root / JOB_LOCK):
+            return  # another job (the CLI's) is training this head: its checkpoints count
+        ckpt = current_checkpoint(root)
         record = read_record(ckpt) if ckpt is not None else None
         if not due_for_finetune(buffer, record, self.finetune_after):
             return

@@ -51,3 +51,21 @@ def exclusive(path: Path, *, wait: bool = True, busy: str = "") -> Iterator[None
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def held_elsewhere(path: Path) -> bool:
+    """Whether another open file (another job, here or in another process) holds the lock
+    on `path` now; False when there is no such file or it cannot be checked."""
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 - closed below
+    except OSError:
+        return False
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False

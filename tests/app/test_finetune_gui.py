@@ -126,3 +126,34 @@ def test_a_message_sent_during_the_background_finetune_is_answered_between_its_s
     last, error = ended[0]
     assert error == "" and last.step == steps_before + 40
     assert read_record(current_checkpoint(root))["steps"] == steps_before + 40
+
+
+def test_no_background_finetune_while_another_job_trains_the_head(qtbot, make_gui,
+                                                                  target: Path,
+                                                                  data_dir: Path) -> None:
+    """A `train-drafter` job holding the head's folder (here: its lock, held by the test)
+    is already training it: the app starts no fine-tune and says nothing after each reply;
+    once that job is gone the next due reply fine-tunes as usual."""
+    from engine.training.job import JOB_LOCK
+    from engine.training.locks import exclusive
+
+    settings = ChatSettings(target=str(target), drafter="auto", max_tokens=16,
+                            improve_drafter=True)
+    gui = make_gui(settings)
+    worker = gui.host.worker
+    worker.finetune_after = 10
+    started: list[bool] = []
+    ended: list[tuple] = []
+    worker.finetune_started.connect(lambda: started.append(True))
+    worker.finetune_ended.connect(lambda last, error: ended.append((last, error)))
+    root = head_root(Path(load_model(str(target)).path))
+    first = current_checkpoint(root)
+    with exclusive(root / JOB_LOCK, wait=False, busy="the test's job"):
+        send(qtbot, gui, "Tell me a story")  # recorded; passes the threshold
+        send(qtbot, gui, "And another one")  # a fine-tune would have begun before this
+        assert not started and not ended
+        assert current_checkpoint(root) == first
+        assert not gui.window.statusBar().currentMessage().startswith("Could not")
+    send(qtbot, gui, "One more")
+    qtbot.waitUntil(lambda: bool(ended), timeout=TIMEOUT)
+    assert started == [True] and ended[0][1] == "" and ended[0][0].checkpoint
