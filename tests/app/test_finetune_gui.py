@@ -42,18 +42,25 @@ def send(qtbot, gui, text: str) -> None:
     qtbot.waitUntil(lambda: bool(done) and not gui.controller.generating, timeout=TIMEOUT)
 
 
-def test_background_finetune_after_a_reply_only_when_enabled(qtbot, make_gui, target: Path,
-                                                             data_dir: Path,
-                                                             screenshots_dir: Path) -> None:
-    settings = ChatSettings(target=str(target), drafter="auto", max_tokens=16)
-    gui = make_gui(settings)
+def watched(make_gui, target: Path, improve: bool):
+    """The app on `target` with a low fine-tune threshold, the fine-tunes it starts and
+    ends (lists filled as the worker reports them), and the head's folder."""
+    gui = make_gui(ChatSettings(target=str(target), drafter="auto", max_tokens=16,
+                                improve_drafter=improve))
     worker = gui.host.worker
     worker.finetune_after = 10
     started: list[bool] = []
     ended: list[tuple] = []
     worker.finetune_started.connect(lambda: started.append(True))
     worker.finetune_ended.connect(lambda last, error: ended.append((last, error)))
-    root = head_root(Path(load_model(str(target)).path))
+    return gui, started, ended, head_root(Path(load_model(str(target)).path))
+
+
+def test_background_finetune_after_a_reply_only_when_enabled(qtbot, make_gui, target: Path,
+                                                             data_dir: Path,
+                                                             screenshots_dir: Path) -> None:
+    gui, started, ended, root = watched(make_gui, target, improve=False)
+    worker = gui.host.worker
     first = current_checkpoint(root)
 
     # off (the default): two replies, nothing recorded, nothing started (a fine-tune would
@@ -137,16 +144,7 @@ def test_no_background_finetune_while_another_job_trains_the_head(qtbot, make_gu
     from engine.training.job import JOB_LOCK
     from engine.training.locks import exclusive
 
-    settings = ChatSettings(target=str(target), drafter="auto", max_tokens=16,
-                            improve_drafter=True)
-    gui = make_gui(settings)
-    worker = gui.host.worker
-    worker.finetune_after = 10
-    started: list[bool] = []
-    ended: list[tuple] = []
-    worker.finetune_started.connect(lambda: started.append(True))
-    worker.finetune_ended.connect(lambda last, error: ended.append((last, error)))
-    root = head_root(Path(load_model(str(target)).path))
+    gui, started, ended, root = watched(make_gui, target, improve=True)
     first = current_checkpoint(root)
     with exclusive(root / JOB_LOCK, wait=False, busy="the test's job"):
         send(qtbot, gui, "Tell me a story")  # recorded; passes the threshold
