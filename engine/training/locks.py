@@ -35,14 +35,14 @@ def exclusive(path: Path, *, wait: bool = True, busy: str = "") -> Iterator[None
         raise EngineError(f"{path}: cannot open the lock file ({e.strerror or e})") from None
     with handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            took = _take(handle, wait)
+        except OSError as e:  # a file system without locks (some network shares)
+            raise EngineError(f"{path}: cannot lock it ({e.strerror or e})") from None
+        if not took:
             handle.seek(0)
             owner = handle.read(32).decode(errors="replace").strip()
             raise BusyError(f"{busy} (process {owner or 'unknown'}, holding {path}); wait "
-                            "for it to end or stop it, then try again") from None
-        except OSError as e:  # a file system without locks (some network shares)
-            raise EngineError(f"{path}: cannot lock it ({e.strerror or e})") from None
+                            "for it to end or stop it, then try again")
         try:
             if not wait:
                 handle.truncate(0)
@@ -62,10 +62,19 @@ def held_elsewhere(path: Path) -> bool:
         return False
     with handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
+            took = _take(handle, wait=False)
         except OSError:
             return False
-        fcntl.flock(handle, fcntl.LOCK_UN)
+        if took:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+        return not took
+
+
+def _take(handle, wait: bool) -> bool:
+    """flock an open file exclusively; False when another holds it and `wait` is off
+    (OSError where the file system cannot lock)."""
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return False
+    return True
