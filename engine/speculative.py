@@ -31,7 +31,7 @@ less than K+1 passes of width 1).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import mlx.core as mx
 
@@ -190,6 +190,7 @@ def speculative_steps(
     drafters: Mapping[str, Drafter],
     policy: DraftPolicy,
     tree: str = "auto",
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Iterator[RawStep]:
     """Draft-and-verify until the consumer stops iterating.
 
@@ -197,6 +198,7 @@ def speculative_steps(
     (after a full prefill), or None when the caches hold `context[:-1]`. `context` is
     appended to with every committed token. `tree`: "auto" lets tree sources branch where
     the cost curve says the extra rows pay (`prune_tree`); "off" keeps every draft a chain.
+    `clock`: what steps are timed by (a replay's virtual clock: tools/replay_trees.py).
     """
     pending = logits
     tree_extra = EXTRA_NODES if tree == "auto" and accept == "coupled" else 0
@@ -208,7 +210,7 @@ def speculative_steps(
         choice = carried or policy.choose(context, pending is not None)
         carried = None
         drafter = drafters.get(choice.drafter) if choice.drafter else None
-        t_start, traced = time.perf_counter(), traces()
+        t_start, traced = clock(), traces()
         if pending is not None and choice.k > 0:
             # drafting from the pending state: commit the pending token first, without
             # queuing a pass for it; it is fed together with the drafts
@@ -230,7 +232,7 @@ def speculative_steps(
                 carried = None if branched else Choice(None, 0)
             context.append(token)
             yield RawStep([token], [TokenKind.TARGET], [prob],
-                          verify_s=time.perf_counter() - t_start, drafter="none")
+                          verify_s=clock() - t_start, drafter="none")
             continue
         draft = draft_step(drafter, choice, context, sampling, accept, tree_extra)
         error = ""
@@ -245,7 +247,7 @@ def speculative_steps(
                                 tree_stats(policy, choice.drafter), costs,
                                 costs.draft_s.get(choice.drafter or "", 0.0),
                                 row_budget(choice.k))
-        t_drafted = time.perf_counter()
+        t_drafted = clock()
         if not draft.ids:
             # a plain step, pipelined like plain decoding: queue the next pass before
             # reading this token back (the caches then hold all of `context`)
@@ -254,20 +256,20 @@ def speculative_steps(
                 pending = forward(model, [context[-1]], caches)[-1]
             token, prob, pending = pipelined_step(model, caches, pending, context, sampling)
             policy.observe(token)
-            t_end = time.perf_counter()
+            t_end = clock()
             # only a step that found its logits pending, and still being computed, shows
             # the steady plain cost; none that traced a compiled function does either (its
             # kernels may have been JIT-built)
             steady = from_pending and not paused and traces() == traced
             step_s = t_end - t_start if steady else None
             policy.update(choice, 0, 0, step_s, 1, step_s, 1)
-            t_out = time.perf_counter()
+            t_out = clock()
             yield RawStep([token], [TokenKind.TARGET], [prob], verify_s=t_end - t_drafted,
                           drafter="none", error=error)
             # a consumer that held the loop (`understudy bench` runs another reply's turn
             # here, then waits for every queued pass) lets the queued pass finish: the
             # next step would time ~1 ms of host work as a whole plain pass
-            paused = time.perf_counter() - t_out > PAUSE_SHARE * (
+            paused = clock() - t_out > PAUSE_SHARE * (
                 costs.verify(1) if costs is not None else PAUSE_FALLBACK_S)
             continue
         shape = draft.tree
@@ -287,7 +289,7 @@ def speculative_steps(
         if not shape.is_chain:
             tree_stats(policy, choice.drafter).observe(shape, verdict.path, draft.gaps)
         ids, kinds, probs, branches = verified_step(shape, verdict)
-        t_end = time.perf_counter()
+        t_end = clock()
         # the acceptance estimate sees the branch the walk took: a rejection unless it
         # ended at a leaf
         n_branch = n if kinds[-1] is TokenKind.BONUS else n + 1
