@@ -67,13 +67,6 @@ class Clock:
         return self.now
 
 
-class TimedCurve(CostModel):
-    """The cost table the stand-in target charges by: fixed, read by width."""
-
-    def verify_s_at(self, width: int) -> float:
-        return self.verify(width, width)
-
-
 class ReplyTarget:
     """A target that knows the text: row r of a pass predicts the reply's next token when
     the row's path (its ancestors in the pass, after the cached rows) follows the reply,
@@ -81,11 +74,11 @@ class ReplyTarget:
 
     n_layers = 1
 
-    def __init__(self, text: Sequence[int], vocab_size: int, costs: TimedCurve,
+    def __init__(self, text: Sequence[int], vocab_size: int, curve: CostModel,
                  clock: Clock, overlap: float) -> None:
         self.text = list(text)
         self.args = SimpleNamespace(vocab_size=vocab_size)
-        self.costs, self.clock, self.overlap = costs, clock, overlap
+        self.curve, self.clock, self.overlap = curve, clock, overlap
 
     def __call__(self, feed: mx.array, cache=None, mask=None, positions=None, n_layers=None):
         ids = np.array(feed)[0].tolist()
@@ -93,7 +86,8 @@ class ReplyTarget:
         start = cache[0].offset
         rows = mx.zeros((1, 1, width, 1))
         cache[0].update_and_fetch(rows, rows)
-        self.clock.now += self.costs.verify_s_at(width) + (self.overlap if width > 1 else 0.0)
+        # each width at its own price (a row budget of `width`: the pass ran unpadded)
+        self.clock.now += self.curve.verify(width, width) + (self.overlap if width > 1 else 0.0)
         seen = None if mask is None else np.array(mask)[:, -width:]
         out = np.full(width, NOT_IN_REPLY, dtype=np.int64)
         for r in range(width):
@@ -108,7 +102,7 @@ class ReplyTarget:
 
 
 def replay_one(item: Recorded, tree: str, memory: PolicyMemory, costs: CostModel,
-               curve: TimedCurve, vocab_size: int, overlap: float) -> tuple[float, int, int]:
+               curve: CostModel, vocab_size: int, overlap: float) -> tuple[float, int, int]:
     """(virtual seconds, passes, tokens) of one reply decoded with prompt lookup."""
     clock = Clock()
     target = ReplyTarget(item.prompt + item.reply, vocab_size, curve, clock, overlap)
@@ -142,7 +136,8 @@ def replay(items: Sequence[Recorded], costs_entry: dict, vocab_size: int, overla
         row: dict[str, float] = {}
         for tree in ("auto", "off"):
             memory, costs = PolicyMemory(), entry_to_costs(costs_entry)
-            charged = TimedCurve(dict(curve or entry_to_costs(costs_entry).verify_s))
+            # a copy: the policy's table learns from the passes, the charged curve stays
+            charged = CostModel(dict(curve or costs.verify_s))
             replay_one(group[0], tree, memory, costs, charged, vocab_size, overlap)
             seconds = passes = tokens = 0
             for item in group:

@@ -12,14 +12,13 @@ import pytest
 
 from engine.cache import make_caches
 from engine.tree import DraftTree, ancestor_mask
-from engine.tuning import PolicyMemory
+from engine.tuning import CostModel, PolicyMemory
 from tests.fixtures.tiny_models import write_tiny_model
 from tools.replay_trees import (
     NOT_IN_REPLY,
     Clock,
     Recorded,
     ReplyTarget,
-    TimedCurve,
     main,
     replay,
     replay_one,
@@ -36,7 +35,7 @@ REPLY = [*BODY[:8], 10, *BODY[9:], 6, *BODY[:8], 10, *BODY[9:], 7]
 
 def target_for(text: list[int], cached: int) -> tuple[ReplyTarget, Clock, list]:
     clock = Clock()
-    target = ReplyTarget(text, 64, TimedCurve(dict(CURVE)), clock, overlap=0.004)
+    target = ReplyTarget(text, 64, CostModel(dict(CURVE)), clock, overlap=0.004)
     caches = make_caches(1)
     rows = mx.zeros((1, 1, cached, 1))
     caches[0].update_and_fetch(rows, rows)
@@ -66,8 +65,8 @@ def test_the_stand_in_answers_rows_on_the_reply_and_charges_the_pass_by_width() 
 @pytest.mark.parametrize("tree", ["auto", "off"])
 def test_the_real_loop_replays_to_exactly_the_reply(tree: str) -> None:
     item = Recorded("edits", "copy", PROMPT, REPLY)
-    seconds, passes, tokens = replay_one(item, tree, PolicyMemory(), TimedCurve(dict(CURVE)),
-                                         TimedCurve(dict(CURVE)), 64, 0.004)
+    seconds, passes, tokens = replay_one(item, tree, PolicyMemory(), CostModel(dict(CURVE)),
+                                         CostModel(dict(CURVE)), 64, 0.004)
     assert tokens == len(REPLY)
     assert passes < len(REPLY) / 2  # the copies were drafted, several tokens a pass
     assert len(REPLY) * CURVE[1] / 4 < seconds < len(REPLY) * CURVE[1]
