@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate one reply and stream it to stdout")
     _add_model_args(gen)
     src = gen.add_mutually_exclusive_group()
+    src.add_argument("text", nargs="?", metavar="PROMPT",
+                     help="the user message (read from standard input when piped and none "
+                     "is given)")
     src.add_argument("--prompt", help="the user message")
     src.add_argument("--messages", type=Path,
                      help="JSON file: a list of {role, content} messages")
@@ -133,12 +136,26 @@ def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
             raise PromptError(f"{args.messages}: expected a list of {{role, content}} objects")
         messages = list(data)
     else:
-        if args.prompt is None:
-            raise PromptError("give --prompt TEXT or --messages FILE.json")
-        messages = [{"role": "user", "content": args.prompt}]
+        messages = [{"role": "user", "content": _prompt_text(args)}]
     if args.system and not (messages and messages[0]["role"] == "system"):
         messages.insert(0, {"role": "system", "content": args.system})
     return messages
+
+
+def _prompt_text(args: argparse.Namespace) -> str:
+    """The user message: the argument, --prompt, or what was piped in (`cat notes.txt |
+    understudy generate`), as other command-line LLM tools take it."""
+    from engine.errors import PromptError
+
+    text = args.prompt if args.prompt is not None else getattr(args, "text", None)
+    if text is not None:
+        return text
+    piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
+    if piped.strip():
+        return piped
+    where = "standard input was empty; " if piped else ""
+    raise PromptError(f"no message: {where}give it as an argument, --prompt TEXT, "
+                      "--messages FILE.json or on standard input")
 
 
 def _options(args: argparse.Namespace):

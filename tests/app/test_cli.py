@@ -7,6 +7,7 @@ OpenBLAS re-exec — run `python -m app.cli` in a subprocess.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -111,6 +112,27 @@ def test_messages_file_and_system(chain: Path, tmp_path: Path,
         tok.encode_chat([system, {"role": "user", "content": "Hello"}]))
 
 
+def test_the_message_as_an_argument_or_piped(chain: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`understudy generate "Hello"` and `echo Hello | understudy generate` send the same
+    message as --prompt; an empty pipe is one line naming it."""
+    want = len(Tokenizer.from_folder(chain).encode_chat([{"role": "user", "content": "Hello"}]))
+    result = gen_json(capsys, "--model", str(chain), "Hello")
+    assert result["stats"]["prompt_tokens"] == want and result["text"] == CHAIN_TEXT
+
+    piped = cli("generate", "--model", str(chain), "--json", data_dir=tmp_path, stdin="Hello")
+    assert piped.returncode == 0, piped.stderr
+    assert json.loads(piped.stdout)["stats"]["prompt_tokens"] == want
+    longer = cli("generate", "--model", str(chain), "--json", data_dir=tmp_path,
+                 stdin="Hello, and a longer question than that")
+    assert json.loads(longer.stdout)["stats"]["prompt_tokens"] > want  # the pipe is read
+
+    assert_one_line_error(cli("generate", "--model", str(chain), data_dir=tmp_path,
+                              stdin=" \n"), "standard input was empty", "--prompt")
+    both = cli("generate", "--model", str(chain), "Hi", "--prompt", "Hi", data_dir=tmp_path)
+    assert both.returncode == 2 and "not allowed with" in both.stderr
+
+
 @pytest.mark.parametrize(
     ("content", "needle"),
     [("not json", "not valid JSON"), ('{"role": "user"}', "list of {role, content}"),
@@ -155,8 +177,10 @@ def test_stop_flag(chain: Path, capsys: pytest.CaptureFixture[str]) -> None:
      (["--top-p", "0"], "top_p"), (["--k", "many"], "--k"), ([], "--prompt")],
 )
 def test_bad_flags_are_one_line_errors(chain: Path, capsys: pytest.CaptureFixture[str],
+                                       monkeypatch: pytest.MonkeyPatch,
                                        flags: list[str], needle: str) -> None:
     prompt = ["--prompt", "Hi"] if flags else []
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # nothing piped either
     assert main(["generate", "--model", str(chain), *prompt, *flags]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
