@@ -7,12 +7,15 @@ on the next start-up any reply still "generating" was cut off by a crash and is 
 "interrupted". Token kinds live in those step rows, so highlighting survives restarts.
 
 The schema is versioned with `PRAGMA user_version`; `MIGRATIONS[i]` upgrades version i to
-i + 1. A database from a newer Understudy is refused rather than guessed at.
+i + 1. A database from a newer Understudy is refused rather than guessed at. A damaged one
+is set aside and what still reads is carried into a new one (`app.store_repair`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -20,8 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.store_repair import Damaged, Repair, check, salvage, set_aside
 from engine.events import Stats, Step, Token, TokenKind
 from engine.paths import app_data_dir
+
+log = logging.getLogger(__name__)
 
 DB_NAME = "history.sqlite3"
 
@@ -136,9 +142,21 @@ def stats_to_dict(stats: Stats) -> dict[str, Any]:
 
 
 def stats_from_dict(d: dict[str, Any] | None) -> Stats | None:
-    if not d:
+    """Stats from what `stats_to_dict` wrote; a field of the wrong type (a hand edit, a
+    damaged row) keeps its default rather than breaking the view that shows it."""
+    if not d or not isinstance(d, dict):
         return None
-    known = {k: v for k, v in d.items() if k in Stats.__dataclass_fields__}
+    known = {}
+    for name, f in Stats.__dataclass_fields__.items():
+        value = d.get(name)
+        if name not in d:
+            continue
+        if name == "finish_reason":
+            if value is None or isinstance(value, str):
+                known[name] = value
+        elif (isinstance(value, int | float) and not isinstance(value, bool)
+              and math.isfinite(value)):
+            known[name] = value if isinstance(f.default, float) else int(value)
     return Stats(**known)
 
 
@@ -151,14 +169,44 @@ class Store:
 
     def __init__(self, path: Path | str | None = None) -> None:
         self.path = Path(path) if path is not None else default_db_path()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, isolation_level=None)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at each checkpoint, fast commits
-        self._db.execute("PRAGMA foreign_keys=ON")
-        self._migrate()
+        # set when the file was damaged: what was set aside and carried over (store_repair)
+        self.repair: Repair | None = None
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self._db = self._open()
+            except Damaged as exc:
+                damaged = set_aside(self.path)
+                self._db = self._open()
+                conversations, messages = salvage(damaged, self._db)
+                self.repair = Repair(damaged, str(exc), conversations, messages)
+        except sqlite3.Error as exc:  # not damage: no permission, a folder in its place, ...
+            raise StoreError(f"{self.path}: cannot open the chat history ({exc})") from None
+        except OSError as exc:
+            raise StoreError(f"{self.path}: cannot open the chat history "
+                             f"({exc.strerror or exc})") from None
         self.interrupted_on_open = self._mark_interrupted()
+
+    def _open(self) -> sqlite3.Connection:
+        """Connect, check the file is whole (else `Damaged`) and bring its schema up to date."""
+        db = sqlite3.connect(self.path, isolation_level=None)
+        try:
+            db.row_factory = sqlite3.Row
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+            except sqlite3.OperationalError:
+                raise
+            except sqlite3.DatabaseError as exc:  # "file is not a database"
+                raise Damaged(str(exc)) from None
+            db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at each checkpoint, fast commits
+            db.execute("PRAGMA foreign_keys=ON")
+            check(db)
+            self._db = db
+            self._migrate()
+        except BaseException:
+            db.close()
+            raise
+        return db
 
     # -- lifecycle ---------------------------------------------------------------------
     def close(self) -> None:
@@ -337,7 +385,14 @@ class Store:
         rows = self._db.execute(
             "SELECT data FROM steps WHERE message_id = ? ORDER BY idx", (message_id,)
         ).fetchall()
-        return tuple(step_from_json(r[0]) for r in rows)
+        try:
+            return tuple(step_from_json(data) for (data,) in rows)
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            # the reply's text is its own column: shown without colours, it stays whole
+            # (the steps left would render a reply with a hole in it)
+            log.warning("message %d: a step is unreadable (%r); shown as plain text",
+                        message_id, exc)
+            return ()
 
     def delete_messages_from(self, conversation_id: int, position: int) -> None:
         """Drop a message and everything after it (regenerate, edit-and-resend)."""
@@ -357,10 +412,10 @@ class Store:
             content=row["content"],
             status=row["status"],
             model=row["model"],
-            settings=json.loads(row["settings_json"] or "{}"),
-            stats=json.loads(row["stats_json"]) if row["stats_json"] else None,
+            settings=_json_dict(row, "settings_json") or {},
+            stats=_json_dict(row, "stats_json"),
             error=row["error"],
-            comparison=json.loads(row["comparison_json"]) if row["comparison_json"] else None,
+            comparison=_json_dict(row, "comparison_json"),
             steps=tuple(steps),
         )
 
@@ -376,6 +431,21 @@ class _Transaction:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _json_dict(row: sqlite3.Row, column: str) -> dict[str, Any] | None:
+    """A JSON object column, or None where it is empty or not a readable object."""
+    text = row[column]
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        log.warning("message %s: %s is not a JSON object; ignored", row["id"], column)
+        return None
+    return value
 
 
 def _conversation(row: sqlite3.Row) -> Conversation:

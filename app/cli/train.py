@@ -33,6 +33,8 @@ def _history() -> tuple[tuple[dict[str, str], ...], ...]:
     from app.store import Store
 
     store = Store()
+    if store.repair is not None:
+        print(f"warning: {store.repair.message()}", file=sys.stderr)
     try:
         return tuple(
             tuple({"role": m.role, "content": m.content}

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from PySide6.QtCore import QSettings
-from PySide6.QtWidgets import QApplication
+from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.bounded_exit import exit_now
 from app.logs import setup_logging
@@ -53,8 +53,15 @@ def run_gui(model_spec: str = "demo", *, smoke: bool = False) -> int:
     try:
         store = Store(Path(scratch.name) / "history.sqlite3") if scratch else Store()
     except StoreError as exc:
+        log.error("%s", exc)
         print(f"understudy: {exc}", file=sys.stderr)
+        if not smoke:  # a user who opened the app from a launcher sees no terminal
+            QMessageBox.critical(None, "Understudy", str(exc))
         return 1
+    if store.repair is not None:
+        log.warning("chat history damaged (%s): set aside as %s; carried %d conversations, "
+                    "%d messages", store.repair.reason, store.repair.damaged,
+                    store.repair.conversations, store.repair.messages)
     host = EngineHost()
     crash: CrashHandler | None = None
     run = None

@@ -583,7 +583,9 @@ class MainWindow(QMainWindow):
             wanted = recent[0].id if recent else None
         self.controller.open_conversation(wanted)
         n = store.interrupted_on_open
-        if n:
+        if store.repair is not None:
+            self.banner.show_message(store.repair.message())
+        elif n:
             what = "A reply was" if n == 1 else f"{n} replies were"
             self.banner.show_message(f"{what} cut off when Understudy last closed; what was "
                                      "generated is kept and marked as interrupted.")

@@ -16,6 +16,7 @@ from app.store import (
     Store,
     StoreError,
     stats_from_dict,
+    step_to_json,
 )
 from engine.events import Stats, Step, Token, TokenKind
 
@@ -147,3 +148,118 @@ def test_search_rename_delete_and_truncate(tmp_path: Path) -> None:
     assert [c.id for c in store.conversations()] == [a.id]
     assert store.messages(b.id) == []
     assert store.steps(reply.id) == ()
+
+
+# ------------------------------------------------------------------ damaged files
+
+
+def _history_of(path: Path, n: int) -> list[str]:
+    """`n` conversations, each a question and a 3-step reply; returns their titles."""
+    store = Store(path)
+    titles = []
+    for i in range(n):
+        conv = store.create_conversation(f"chat {i}")
+        store.add_message(conv.id, "user", f"question {i} " + "words " * 200)
+        reply = store.begin_reply(conv.id, model="demo", settings={})
+        for j in range(3):
+            store.append_step(reply.id, spec_step(j))
+        store.finish_reply(reply.id, status=COMPLETE, stats=None)
+        titles.append(conv.title)
+    store.close()
+    return titles
+
+
+def test_a_file_that_is_not_a_database_is_set_aside_whole(tmp_path: Path) -> None:
+    path = tmp_path / "history.sqlite3"
+    junk = bytes(range(256)) * 20
+    path.write_bytes(junk)
+    store = Store(path)
+    repair = store.repair
+    assert repair is not None and "not a database" in repair.reason
+    assert (repair.conversations, repair.messages) == (0, 0)
+    assert repair.damaged.parent == tmp_path and repair.damaged.name.startswith(
+        "history.sqlite3.damaged-")
+    assert repair.damaged.read_bytes() == junk  # kept exactly as it was
+    assert "nothing in it could be read" in repair.message()
+    conv = store.create_conversation("after")  # the new history works
+    store.close()
+    again = Store(path)  # and opens cleanly next time: nothing set aside twice
+    assert again.repair is None and [c.id for c in again.conversations()] == [conv.id]
+    assert sorted(p.name for p in tmp_path.iterdir()
+                  if ".damaged-" in p.name) == [repair.damaged.name]
+
+
+def test_a_damaged_page_keeps_every_row_that_still_reads(tmp_path: Path) -> None:
+    path = tmp_path / "history.sqlite3"
+    titles = _history_of(path, 12)
+    intact = Store(path)  # the negative control: a whole file is not touched
+    assert intact.repair is None
+    want = {c.id: intact.messages(c.id) for c in intact.conversations()}
+    intact.close()
+    data = bytearray(path.read_bytes())
+    page = 4096
+    hit = data.find(b"question 5 ") // page * page  # the page holding that message
+    assert hit > 0
+    data[hit:hit + page] = b"\xa5" * page
+    path.write_bytes(bytes(data))
+
+    store = Store(path)
+    repair = store.repair
+    assert repair is not None and "malformed" in repair.reason
+    assert repair.damaged.read_bytes() == bytes(data)
+    kept = store.conversations()
+    assert sorted(c.title for c in kept) == sorted(titles)  # their pages were whole
+    assert repair.conversations == 12
+    assert 0 < repair.messages < 24  # some messages were on the damaged pages
+    survivors = [m for c in kept for m in store.messages(c.id)]
+    assert len(survivors) == repair.messages
+    for m in survivors:  # what was carried is what was written, ids and steps included
+        assert m in want[m.conversation_id]
+    assert not any(m.content.startswith("question 5 ") for m in survivors)
+    # the scan went on past the damaged page: the last conversation's messages are here
+    assert {m.role for m in survivors if m.conversation_id == kept[0].id} == {
+        "user", "assistant"} and kept[0].title == "chat 11"
+    assert f"{repair.conversations} conversations ({repair.messages} messages)" in \
+        repair.message()
+    store.close()
+
+
+def test_a_history_that_cannot_be_opened_is_one_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "history.sqlite3"
+    path.mkdir()  # a folder where the file should be: not damage, nothing to set aside
+    with pytest.raises(StoreError, match="cannot open the chat history") as err:
+        Store(path)
+    assert str(path) in str(err.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["history.sqlite3"]
+
+
+def test_hand_damaged_rows_lose_only_what_is_unreadable(tmp_path: Path) -> None:
+    """JSON columns and step rows edited by hand: the message still opens with its whole
+    text; a bad step costs the reply its colours, bad stats fields keep their defaults."""
+    path = tmp_path / "history.sqlite3"
+    _history_of(path, 1)
+    db = sqlite3.connect(path)
+    db.execute("UPDATE messages SET settings_json = '[1, 2]', comparison_json = '{oops', "
+               "stats_json = ? WHERE role = 'assistant'",
+               ('{"generated_tokens": "six", "decode_s": 0.5, "target_passes": 3.0, '
+                '"finish_reason": 4}',))
+    db.execute("UPDATE steps SET data = '{\"t\": [[1]]}' WHERE idx = 1")
+    db.commit()
+    db.close()
+    store = Store(path)
+    assert store.repair is None  # the file itself is whole
+    [user, reply] = store.messages(store.conversations()[0].id)
+    assert user.content.startswith("question 0")
+    assert reply.content == "a0 r0a1 r1a2 r2"
+    assert reply.settings == {} and reply.comparison is None
+    assert reply.steps == ()  # shown as plain text rather than with a hole in it
+    stats = stats_from_dict(reply.stats)
+    assert stats == Stats(decode_s=0.5, target_passes=3)
+    assert stats_from_dict({"generated_tokens": 6}).generated_tokens == 6  # control
+    assert len(store.steps(user.id + 100)) == 0 and len(store.steps(reply.id)) == 0
+    store.close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE steps SET data = ? WHERE idx = 1", (step_to_json(spec_step(1)),))
+    db.commit()
+    db.close()
+    assert Store(path).message(reply.id).steps == tuple(spec_step(i) for i in range(3))
