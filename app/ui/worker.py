@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
+from engine.choices import ACCEPT_RULES, TREE_MODES
 from engine.errors import EngineError
 from engine.events import Finished, PromptProgress, Step
 
@@ -72,9 +75,21 @@ class ChatSettings:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> ChatSettings:
-        """Tolerant of unknown or missing keys (settings saved by other versions)."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in (d or {}).items() if k in known})
+        """Tolerant of unknown, missing and unusable keys (settings saved by other versions,
+        or edited by hand): a value of the wrong type or outside its range is dropped with a
+        warning naming it, and that setting keeps its default. One bad value used to stop
+        the app at start-up."""
+        kept = {}
+        for f in fields(cls):
+            if f.name not in (d or {}):
+                continue
+            value = d[f.name]
+            if SETTING_CHECKS[f.name](value):
+                kept[f.name] = value
+            else:
+                log.warning("saved setting %s = %r is not usable; using %r", f.name, value,
+                            f.default)
+        return cls(**kept)
 
     def to_options(self, *, plain: bool = False):
         """The engine's GenerateOptions for these settings (`plain` forces no drafter)."""
@@ -86,6 +101,34 @@ class ChatSettings:
         return GenerateOptions(max_tokens=self.max_tokens, sampling=sampling,
                                drafter="none" if plain else self.engine_drafter,
                                k=self.k, accept=self.accept, tree=self.tree)
+
+
+def _real(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _whole(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+# what each saved setting may hold (the ranges the engine accepts: engine.sampling)
+SETTING_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "target": lambda v: isinstance(v, str) and bool(v),
+    "draft": lambda v: v is None or isinstance(v, str),
+    "drafter": lambda v: isinstance(v, str) and v in DRAFTER_MODES,
+    "k": lambda v: v is None or (_whole(v) and v >= 1),
+    "accept": lambda v: isinstance(v, str) and v in ACCEPT_RULES,
+    "tree": lambda v: isinstance(v, str) and v in TREE_MODES,
+    "temperature": lambda v: _real(v) and v >= 0,
+    "top_p": lambda v: _real(v) and 0 < v <= 1,
+    "top_k": lambda v: _whole(v) and v >= 0,
+    "min_p": lambda v: _real(v) and 0 <= v <= 1,
+    "max_tokens": lambda v: _whole(v) and v >= 1,
+    "seed": lambda v: _whole(v) and 0 <= v < 2**64,
+    "system_prompt": lambda v: isinstance(v, str),
+    "learn_from_chats": lambda v: isinstance(v, bool),
+    "improve_drafter": lambda v: isinstance(v, bool),
+}
 
 
 @dataclass(frozen=True)

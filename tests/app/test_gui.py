@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -440,6 +441,35 @@ def test_window_state_and_settings_persist(qtbot, make_gui, tiny_pair) -> None:
     assert again.window.settings_panel.seed.value() == 42
 
 
+def test_unusable_saved_settings_open_with_defaults(qtbot, make_gui, tiny_pair,
+                                                    tmp_path) -> None:
+    """Settings edited by hand or saved by another version: each unusable value falls back
+    to its default, the usable ones stay, and the app opens and answers."""
+    import json
+
+    from PySide6.QtCore import QSettings
+
+    from app.ui.main_window import load_chat_settings
+
+    bad = {"draft": ["x"], "drafter": "bogus", "k": "many", "accept": None, "tree": 3,
+           "temperature": "hot", "top_p": -2, "top_k": 1.5, "min_p": float("nan"),
+           "max_tokens": -5, "seed": "s", "system_prompt": 12, "learn_from_chats": "yes",
+           "improve_drafter": 2}
+    good = {"target": str(tiny_pair[0]), "max_tokens": 3}
+    qs = QSettings(str(tmp_path / "saved.ini"), QSettings.Format.IniFormat)
+    for case, want in ((bad, ChatSettings()), ({**bad, **good}, ChatSettings(**good))):
+        qs.setValue("chat/settings", json.dumps(case))
+        assert load_chat_settings(qs) == want
+    qs.setValue("chat/settings", json.dumps({**bad, "target": 7}))
+    settings = load_chat_settings(qs, str(tiny_pair[0]))  # as run_gui loads them
+    assert settings == ChatSettings(target=str(tiny_pair[0]))
+    gui = make_gui(replace(settings, drafter="off", max_tokens=3))
+    gui.controller.send("still works")
+    wait_idle(qtbot, gui)
+    reply = gui.store.messages(gui.controller.conversation_id)[-1]
+    assert reply.status == COMPLETE and reply.stats["generated_tokens"] == 3
+
+
 def test_clipboard_copy_of_message(qtbot, make_gui, tiny_pair) -> None:
     gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
     gui.controller.send("copy me")
@@ -508,6 +538,30 @@ def test_killed_mid_reply_keeps_partial_reply(qtbot, make_gui, tiny_pair, tmp_pa
     assert "interrupted" in card.footer.text()
     assert card.document().toPlainText() == reply.content
     assert "cut off" in gui.window.banner.text
+
+
+def test_damaged_history_opens_with_what_could_be_read(qtbot, make_gui, tiny_pair, tmp_path,
+                                                       screenshots_dir) -> None:
+    """A history file with a damaged page: the app opens on the conversations that still
+    read, and the banner says what happened and where the damaged file is."""
+    from tests.app.test_store import _history_of
+
+    db = tmp_path / "history.sqlite3"
+    _history_of(db, 6)
+    data = bytearray(db.read_bytes())
+    hit = data.find(b"question 2 ") // 4096 * 4096
+    data[hit:hit + 4096] = b"\xa5" * 4096
+    db.write_bytes(bytes(data))
+
+    gui = make_gui(plain_settings(tiny_pair[0]), db=db)
+    repair = gui.store.repair
+    assert repair is not None and repair.conversations == 6
+    assert gui.window.banner.isVisible()
+    text = gui.window.banner.text
+    assert "damaged" in text and str(repair.damaged) in text and "6 conversations" in text
+    assert "cut off" not in text
+    assert repair.damaged.exists() and db.exists()
+    gui.window.grab().save(str(screenshots_dir / "damaged_history.png"))
 
 
 STARTING_APP = """
