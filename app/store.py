@@ -148,9 +148,9 @@ def stats_from_dict(d: dict[str, Any] | None) -> Stats | None:
         return None
     known = {}
     for name, f in Stats.__dataclass_fields__.items():
-        value = d.get(name)
         if name not in d:
             continue
+        value = d[name]
         if name == "finish_reason":
             if value is None or isinstance(value, str):
                 known[name] = value
@@ -201,7 +201,7 @@ class Store:
             db.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL: durable at each checkpoint, fast commits
             db.execute("PRAGMA foreign_keys=ON")
             check(db)
-            self._db = db
+            self._db = db  # the migration runs through self._db
             self._migrate()
         except BaseException:
             db.close()

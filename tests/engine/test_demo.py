@@ -47,3 +47,43 @@ def test_imported_once_then_reused_and_repaired(demo_gguf_path: Path) -> None:
     assert demo.ensure_demo_model() == folder
     assert (folder / "tokenizer.json").is_file()
     assert not [p for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}")]
+
+
+@pytest.mark.slow
+def test_a_damaged_demo_folder_is_imported_again(demo_gguf_path: Path, tmp_path: Path) -> None:
+    """The demo's folder is ours, made from the bundled GGUF: a file cut short or spoilt in
+    place is made again rather than sent to be re-downloaded. Any other model's damaged
+    folder stays an error naming the file (the negative control)."""
+    import shutil
+
+    from engine.errors import ModelFormatError
+    from engine.loading import load_model
+
+    folder = demo.ensure_demo_model()
+    weights = folder / "model.safetensors"
+    good = weights.stat().st_size
+    elsewhere = tmp_path / "copy"
+    shutil.copytree(folder, elsewhere)
+    with weights.open("r+b") as f:  # cut short: its recorded size shows it at once
+        f.truncate(good // 2)
+    assert not demo._is_complete(folder, demo_gguf_path)
+    assert demo.ensure_demo_model() == folder and weights.stat().st_size == good
+
+    config = folder / "tokenizer_config.json"
+    size = config.stat().st_size
+    config.write_text("{" + "x" * (size - 1))  # spoilt at its own size: loading finds it
+    assert demo._is_complete(folder, demo_gguf_path)
+    model = load_model("demo")
+    assert json.loads(config.read_text())["eos_token"]
+    assert model.tokenizer.decode(model.tokenizer.encode("Hello there")) == "Hello there"
+
+    info = json.loads((folder / "import_info.json").read_text())
+    assert set(info["files"]) == {"config.json", "model.safetensors", "tokenizer.json",
+                                  "tokenizer_config.json", "generation_config.json"}
+    del info["files"]  # an import from before sizes were recorded is still trusted
+    (folder / "import_info.json").write_text(json.dumps(info))
+    assert demo._is_complete(folder, demo_gguf_path)
+
+    (elsewhere / "tokenizer_config.json").write_text("{" + "x" * (size - 1))
+    with pytest.raises(ModelFormatError, match="tokenizer_config.json: not valid JSON"):
+        load_model(str(elsewhere))
