@@ -87,14 +87,18 @@ class EngineThread:
 
     def _load(self):
         from engine.decode import ChatSession, GenerateOptions
+        from engine.drafters.head_io import require_head, usable_head
         from engine.loading import load_model
 
         target = load_model(self.spec.model)
         if target.tokenizer.template_warning:
             log.warning("%s", target.tokenizer.template_warning)
         draft = load_model(self.spec.draft) if self.spec.draft else None
-        session = ChatSession(target, draft)
         drafter = self.spec.warm_drafter
+        # the trained head rides along whenever one exists, so a request may name `head`
+        # and `auto` weighs it, as in the app and the CLI
+        head = require_head(target) if drafter == "head" else usable_head(target, log.warning)
+        session = ChatSession(target, draft, head)
         if drafter not in ("none", *session.drafters) and drafter != "auto":
             from engine.errors import EngineError
 

@@ -246,15 +246,10 @@ class EngineWorker(QObject):
     def _trained_head(self):
         """The target's trained drafter head, if any (every session carries it, so that
         `head` and `auto` can use it; a broken one is logged and left out)."""
-        from engine.drafters.head_io import find_head
+        from engine.drafters.head_io import usable_head
 
         if self._head is None or self._head[0] != self._target_spec:
-            try:
-                found = find_head(self._target)
-            except EngineError as exc:
-                log.warning("trained head not used: %s", exc)
-                found = None
-            self._head = (str(self._target_spec), found[0] if found else None)
+            self._head = (str(self._target_spec), usable_head(self._target, log.warning))
         return self._head[1]
 
     # -- recording chats for drafter training (opt-in) -----------------------------------

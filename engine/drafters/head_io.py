@@ -19,6 +19,8 @@ import hashlib
 import json
 import os
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -294,6 +296,18 @@ def require_head(target) -> HeadModel:
     return found[0]
 
 
+def usable_head(target, warn: Callable[[str], None]) -> HeadModel | None:
+    """The target's trained head if one exists and loads, else None; a broken one is left
+    out with its reason passed to `warn` (the model stays usable with every other drafter).
+    Sessions carry it so that `head` and `auto` can use it."""
+    try:
+        found = find_head(target)
+    except EngineError as e:
+        warn(f"trained head not used: {e}")
+        return None
+    return found[0] if found else None
+
+
 def head_for_drafter(target, drafter: str) -> HeadModel | None:
     """The head a session should carry for `--drafter` (required for 'head'; used by 'auto'
     when one exists; a broken one under auto is skipped, with the reason printed)."""
@@ -301,11 +315,4 @@ def head_for_drafter(target, drafter: str) -> HeadModel | None:
         return require_head(target)
     if drafter != "auto":
         return None
-    try:
-        found = find_head(target)
-    except EngineError as e:
-        import sys
-
-        print(f"warning: trained head not used: {e}", file=sys.stderr)
-        return None
-    return found[0] if found else None
+    return usable_head(target, lambda line: print(f"warning: {line}", file=sys.stderr))

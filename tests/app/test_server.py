@@ -438,3 +438,50 @@ def test_concurrent_requests_keep_their_own_tokens(client: openai.OpenAI,
     for t in threads:
         t.join(120)
     assert got == alone
+
+
+def test_a_trained_head_is_served_and_auto_may_use_it(tmp_path: Path) -> None:
+    """`understudy serve` carries the target's trained head, as the app and the CLI do: the
+    model card lists `head` and a request naming it drafts with it, losslessly. The same
+    target without a head (the negative control) neither lists nor accepts it."""
+    import shutil
+
+    from engine.drafters.head_io import head_root, publish_checkpoint, write_head
+    from engine.loading import load_model
+    from tests.engine.test_head import random_head
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "headed", num_hidden_layers=4, seed=7)
+    target = load_model(str(folder))
+    root = head_root(target.path)
+
+    def serve_once(drafter: str) -> tuple[ModelCard, list[tuple[str, dict]]]:
+        engine = EngineThread(EngineSpec(str(folder), None, "auto"))
+        card = engine.start()
+        server = BackgroundServer(create_app(engine), port=0)
+        server.start()
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        try:
+            out = []
+            for name in ("none", drafter):
+                reply = client.chat.completions.create(
+                    model=card.id, messages=HELLO, max_tokens=24,
+                    extra_body={"drafter": name, "draft_k": 2})
+                out.append((reply.choices[0].message.content, ext(reply)))
+            return card, out
+        finally:
+            server.stop()
+            engine.close()
+
+    with pytest.raises(openai.APIStatusError) as refused:
+        serve_once("head")
+    assert "head" in str(refused.value) and refused.value.status_code < 500
+    write_head(random_head(target, n_hot=200), tmp_path / "staged", {"steps": 1})
+    publish_checkpoint(root, tmp_path / "staged", "ckpt-0000001")
+    try:
+        card, [(plain, _), (text, stats)] = serve_once("head")
+        assert "head" in card.drafters
+        assert stats["drafted"] > 0 and stats["steps_by_drafter"].get("head")
+        assert text == plain
+    finally:
+        shutil.rmtree(root)
