@@ -116,7 +116,7 @@ def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
     """Time target passes of each width after `context` tokens, and draft tokens."""
     caches = make_caches(model.n_layers)
     prefix = mx.zeros((1, context), dtype=mx.int32)
-    mx.eval(model(prefix, cache=caches))
+    mx.eval(model(prefix, cache=caches, last_only=True))
 
     def target_pass(width: int, n_layers: int | None = None) -> Callable[[], object]:
         def run() -> object:
@@ -143,7 +143,7 @@ def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
         draft_s["layerskip"] = _time(target_pass(1, layerskip_layers), reps)
     if draft_model is not None:
         d_caches = make_caches(draft_model.n_layers)
-        mx.eval(draft_model(prefix, cache=d_caches))
+        mx.eval(draft_model(prefix, cache=d_caches, last_only=True))
 
         def draft_pass() -> object:
             out = draft_model(mx.zeros((1, 1), dtype=mx.int32), cache=d_caches)

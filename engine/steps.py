@@ -34,8 +34,12 @@ class RawStep:
     error: str = ""  # a malformed draft the step refused (it ran as a plain step)
 
 
-def forward(model, ids: Sequence[int], caches: Sequence[KVCache]) -> mx.array:
-    """Run `ids` through the model, appending to `caches`; returns logits (L, V)."""
+def forward(model, ids: Sequence[int], caches: Sequence[KVCache],
+            last_only: bool = False) -> mx.array:
+    """Run `ids` through the model, appending to `caches`; returns logits (L, V), or with
+    `last_only` the last row's alone (1, V)."""
+    if last_only:
+        return model(mx.array([list(ids)]), cache=list(caches), last_only=True)[0]
     return model(mx.array([list(ids)]), cache=list(caches))[0]
 
 
@@ -52,7 +56,7 @@ def prefill(
     progress while the prompt is read.
     """
     for start in range(0, len(ids), chunk):
-        logits = forward(model, ids[start : start + chunk], caches)[-1]
+        logits = forward(model, ids[start : start + chunk], caches, last_only=True)[-1]
         mx.eval(logits)
         yield min(start + chunk, len(ids)), logits
 

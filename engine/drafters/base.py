@@ -210,5 +210,5 @@ def sync_cache(model, caches: Sequence[KVCache], cached_ids: list[int],
     trim_caches(caches, n)
     logits = None
     if n < len(want):
-        logits = model(mx.array([want[n:]]), cache=list(caches))[0]
+        logits = model(mx.array([want[n:]]), cache=list(caches), last_only=True)[0]
     return want, logits

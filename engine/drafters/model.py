@@ -46,8 +46,11 @@ class ModelDrafter:
             return ids
         return mx.where(ids < self._draft_vocab, ids, 0)
 
-    def _run(self, ids: mx.array, cache=None) -> mx.array:
+    def _run(self, ids: mx.array, cache=None, last_only: bool = False) -> mx.array:
         """The draft model with this drafter's layer limit (layer skip: the first layers)."""
+        if last_only:
+            return self.model(self.safe_ids(ids), cache=cache, n_layers=self.n_layers,
+                              last_only=True)
         return self.model(self.safe_ids(ids), cache=cache, n_layers=self.n_layers)
 
     def _forward(self, ids: mx.array) -> mx.array:

@@ -319,8 +319,13 @@ class Model(nn.Module):
         n_layers: int | None = None,
         capture: Capture | None = None,
         positions: mx.array | None = None,
+        last_only: bool = False,
     ) -> mx.array:
         """Run the first `n_layers` layers (all by default), then the final norm and head.
+
+        `last_only`: logits for the last row alone, (B, 1, V), where a caller reads no other
+        (a prompt's chunk, a drafter catching its cache up): the head over 512 rows was 5-13%
+        of reading a prompt. A pass a `FeatureTap` watches still gets every row's logits.
 
         `n_layers` is how the layer-skip drafter reuses the target's own early layers.
         `capture` (layer index -> None) is filled with those layers' input hidden states: the
@@ -335,6 +340,8 @@ class Model(nn.Module):
                 capture = dict.fromkeys(sorted({i for t in taps for i in t.layers}))
                 start = cache[0].offset
         h = self.model(inputs, mask, cache, n_layers, capture, positions)
+        if last_only and not taps:
+            h = h[:, -1:]
         head = self.lm_head if "lm_head" in self else self.model.embed_tokens.as_linear
         logits = head(h)
         for tap in taps:

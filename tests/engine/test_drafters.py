@@ -120,9 +120,11 @@ class Counting:
         self.n_layers = model.n_layers
         self.fed: list[int] = []
 
-    def __call__(self, inputs: mx.array, mask=None, cache=None, n_layers=None) -> mx.array:
+    def __call__(self, inputs: mx.array, mask=None, cache=None, n_layers=None,
+                 last_only: bool = False) -> mx.array:
         self.fed.append(inputs.shape[1])
-        return self.model(inputs, mask=mask, cache=cache, n_layers=n_layers)
+        return self.model(inputs, mask=mask, cache=cache, n_layers=n_layers,
+                          last_only=last_only)
 
 
 def coupled_continuation(model: Model, context: Sequence[int], n: int,

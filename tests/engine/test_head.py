@@ -91,6 +91,11 @@ def test_capture_and_tap_do_not_change_the_logits(target: LoadedModel) -> None:
         model.feature_taps.remove(tap)
     assert mx.array_equal(plain, tapped)
     assert tap.length == 6
+    model.feature_taps.add(tap)  # a watched pass keeps every row's logits, even for a prompt
+    try:
+        assert model(ids, cache=caches, last_only=True).shape == plain.shape
+    finally:
+        model.feature_taps.remove(tap)
     capture: dict = dict.fromkeys((1, 2, 3))
     model(ids, capture=capture)
     want = mx.concatenate([capture[i][0] for i in (1, 2, 3)], axis=-1)

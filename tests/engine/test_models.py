@@ -144,6 +144,27 @@ def test_incremental_decoding_matches_full_forward(
     assert rel_err(mx.concatenate(pieces, axis=1), full) < 1e-4
 
 
+def test_last_only_gives_the_last_rows_logits_and_fills_the_same_cache(
+        model_dirs: dict[str, Path]) -> None:
+    """A prompt's chunk needs the last row's logits only; the cache it leaves is the same,
+    and those logits are the full pass's last row (a narrower product: to rounding)."""
+    from engine.steps import prefill
+
+    model, _ = load_weights(model_dirs["llama-gqa-tied"], backend="cpu")
+    full_caches, caches = make_caches(model.n_layers), make_caches(model.n_layers)
+    full = model(TOKENS, cache=full_caches)
+    last = model(TOKENS, cache=caches, last_only=True)
+    assert last.shape == (1, 1, full.shape[-1])
+    assert rel_err(last[:, -1], full[:, -1]) < 1e-5
+    assert not mx.allclose(last[:, -1], full[:, -2])  # it is the last row, not another
+    for a, b in zip(caches, full_caches, strict=True):
+        assert a.offset == b.offset and mx.array_equal(a.state[0], b.state[0])
+    chunked = list(prefill(model, TOKENS[0].tolist(), make_caches(model.n_layers), 4))
+    assert [done for done, _ in chunked] == [4, 8, 12]
+    assert chunked[-1][1].shape == (full.shape[-1],)
+    assert rel_err(chunked[-1][1], full[0, -1]) < 1e-4
+
+
 def test_quantized_layers_kept_or_dequantized(model_dirs: dict[str, Path]) -> None:
     path = model_dirs["qwen3-q4-bf16-overrides"]
     kept, _ = load_weights(path, backend="metal")

@@ -136,7 +136,8 @@ class TableModel:
         self.table = mx.array(table)
         self._row_at: dict[int, mx.array] = {}  # position -> row index (lazy)
 
-    def __call__(self, inputs: mx.array, mask=None, cache=None, n_layers=None) -> mx.array:
+    def __call__(self, inputs: mx.array, mask=None, cache=None, n_layers=None,
+                 last_only: bool = False) -> mx.array:
         offset = cache[0].offset
         rows = []
         for j in range(inputs.shape[1]):
@@ -151,7 +152,7 @@ class TableModel:
             rows.append(row)
         for c in cache:
             c.offset += inputs.shape[1]
-        return mx.take(self.table, mx.stack(rows), axis=0)[None]
+        return mx.take(self.table, mx.stack(rows[-1:] if last_only else rows), axis=0)[None]
 
 
 def exact_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -70,9 +70,11 @@ class Counting:
         self.args = model.args
         self.fed: list[int] = []
 
-    def __call__(self, inputs: mx.array, mask=None, cache=None, n_layers=None) -> mx.array:
+    def __call__(self, inputs: mx.array, mask=None, cache=None, n_layers=None,
+                 last_only: bool = False) -> mx.array:
         self.fed.append(inputs.shape[1])
-        return self.model(inputs, mask=mask, cache=cache, n_layers=n_layers)
+        return self.model(inputs, mask=mask, cache=cache, n_layers=n_layers,
+                          last_only=last_only)
 
 
 # ----------------------------------------------------------------------------- fixtures
