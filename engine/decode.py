@@ -54,7 +54,7 @@ class GenerateOptions:
     max_tokens: int = 512
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None  # rows per prompt chunk; None: by backend and length
     drafter: str = "none"
     k: int | None = None  # draft length; None = adaptive
     accept: str = "coupled"
@@ -63,6 +63,8 @@ class GenerateOptions:
     def __post_init__(self) -> None:
         for name in ("max_tokens", "prefill_chunk"):
             value = getattr(self, name)
+            if value is None and name == "prefill_chunk":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise EngineError(f"{name} must be an integer of at least 1, got {value!r}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):

@@ -23,6 +23,7 @@ from engine.sampling import (
     sample_coupled,
     sample_coupled_at,
 )
+from engine.steps import chunk_rows
 from engine.tree import DraftTree
 from engine.verify import draft_key
 
@@ -209,6 +210,10 @@ def sync_cache(model, caches: Sequence[KVCache], cached_ids: list[int],
         n += 1
     trim_caches(caches, n)
     logits = None
-    if n < len(want):
-        logits = model(mx.array([want[n:]]), cache=list(caches), last_only=True)[0]
+    while n < len(want):  # in a prompt's chunks: a long prompt at once held every score
+        end = min(n + chunk_rows(n), len(want))
+        logits = model(mx.array([want[n:end]]), cache=list(caches), last_only=True)[0]
+        if end < len(want):
+            mx.eval(logits)
+        n = end
     return want, logits

@@ -266,6 +266,12 @@ def test_prompt_prefilled_in_chunks_with_progress(tiny: LoadedModel) -> None:
     assert seen == [(4, 4), (8, 8), (12, 12)]
     stream.close()
     assert whole[-1].token_ids == events[-1].token_ids  # chunking changes nothing
+    # by default the rows per chunk follow the keys they attend to (engine.steps.chunk_rows)
+    long_ids = (ids * 100)[:1200]
+    session = ChatSession(tiny)
+    done = [ev.done for ev in session.generate_ids(long_ids, GenerateOptions(max_tokens=1))
+            if isinstance(ev, PromptProgress)]
+    assert done == [256, 512, 768, 1024, 1152, 1200]
 
 
 def test_stats(tiny: LoadedModel) -> None:

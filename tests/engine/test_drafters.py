@@ -207,6 +207,25 @@ def test_sync_cache_reuses_the_shared_prefix(tiny: Model) -> None:
     assert cached == [1, 2] and logits is None and cache_length(caches) == 2
 
 
+def test_a_long_catch_up_is_fed_in_a_prompts_chunks(tiny: Model) -> None:
+    """A draft model catching up on a long prompt feeds it in the chunks prompt reading
+    uses (one pass over it all held every attention score at once), to the same cache."""
+    from engine.steps import chunk_rows
+
+    context = [(7 * i) % 200 + 1 for i in range(1301)]
+    counting = Counting(tiny)
+    caches = make_caches(tiny.n_layers)
+    cached, logits = sync_cache(counting, caches, [], context)
+    assert cached == context[:-1] and logits is not None and logits.shape[0] == 1
+    assert counting.fed == [256, 256, 256, 256, 128, 128, 20]  # 256 rows below 1,024 keys
+    assert [chunk_rows(n) for n in (0, 1023, 1024, 5000)] == [256, 256, 128, 128]
+    whole = make_caches(tiny.n_layers)
+    tiny(mx.array([context[:-1]]), cache=whole)
+    for a, b in zip(caches, whole, strict=True):
+        assert a.offset == b.offset == 1300
+        assert mx.allclose(a.state[0], b.state[0], atol=1e-4)
+
+
 # ----------------------------------------------------------------------------- layer skip
 
 
