@@ -48,8 +48,9 @@ GPU_CHUNK = 512
 # On the CPU backend attention holds every score (heads x rows x keys floats), and once
 # they outgrow the caches the softmax's passes over them run from memory: the demo model on
 # a 2-core VM read 512 tokens at 250 tok/s in 512-row chunks and 390 in 256-row ones, 2,048
-# at 178 / 199 / 240 tok/s in 512 / 256 / 128 rows, 4,096 at 76 / 97 / 156 (64 rows: 151).
-CPU_CHUNKS = ((1024, 256), (None, 128))  # (keys before the chunk below this, rows)
+# at 178 / 199 / 240 tok/s in 512 / 256 / 128 rows, 4,096 at 76 / 97 / 156 (64 rows: 151),
+# 8,000 at 61 in 128 rows and 80 in 64.
+CPU_CHUNKS = ((1024, 256), (4096, 128), (None, 64))  # (keys before the chunk below, rows)
 
 
 def chunk_rows(keys_before: int) -> int:
