@@ -32,6 +32,7 @@ from app.hub.model_choices import available_models, draft_incompatibility
 from app.ui.controller import ChatController
 from app.ui.worker import DRAFTER_MODES, ChatSettings, ModelInfo
 from engine.choices import ACCEPT_RULES, TREE_MODES
+from engine.tuning import K_MAX
 
 DRAFTER_HELP = {
     "off": "Plain decoding: one target pass per token",
@@ -75,7 +76,7 @@ class SettingsPanel(QWidget):
                                            Qt.ItemDataRole.ToolTipRole)
         self.k_auto = QCheckBox("auto")
         self.k_spin = QSpinBox()
-        self.k_spin.setRange(1, 32)
+        self.k_spin.setRange(1, K_MAX)  # the engine's limit: a longer draft was refused
         self.k_spin.setValue(4)
         self.accept_combo = QComboBox()
         for rule in ACCEPT_RULES:

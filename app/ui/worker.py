@@ -25,6 +25,7 @@ from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 from engine.choices import ACCEPT_RULES, TREE_MODES
 from engine.errors import EngineError
 from engine.events import Finished, PromptProgress, Step
+from engine.tuning import K_MAX
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ SETTING_CHECKS: dict[str, Callable[[Any], bool]] = {
     "target": lambda v: isinstance(v, str) and bool(v),
     "draft": lambda v: v is None or isinstance(v, str),
     "drafter": lambda v: isinstance(v, str) and v in DRAFTER_MODES,
-    "k": lambda v: v is None or (_whole(v) and v >= 1),
+    "k": lambda v: v is None or (_whole(v) and 1 <= v <= K_MAX),
     "accept": lambda v: isinstance(v, str) and v in ACCEPT_RULES,
     "tree": lambda v: isinstance(v, str) and v in TREE_MODES,
     "temperature": lambda v: _real(v) and v >= 0,

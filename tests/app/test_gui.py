@@ -17,6 +17,7 @@ from app.ui.theme import is_dark
 from app.ui.token_render import KIND_STYLES
 from app.ui.worker import ChatSettings
 from engine.events import Step, TokenKind
+from engine.tuning import K_MAX
 
 TIMEOUT = 60_000
 
@@ -451,7 +452,7 @@ def test_unusable_saved_settings_open_with_defaults(qtbot, make_gui, tiny_pair,
 
     from app.ui.main_window import load_chat_settings
 
-    bad = {"draft": ["x"], "drafter": "bogus", "k": "many", "accept": None, "tree": 3,
+    bad = {"draft": ["x"], "drafter": "bogus", "k": K_MAX + 1, "accept": None, "tree": 3,
            "temperature": "hot", "top_p": -2, "top_k": 1.5, "min_p": float("nan"),
            "max_tokens": -5, "seed": "s", "system_prompt": 12, "learn_from_chats": "yes",
            "improve_drafter": 2}
@@ -468,6 +469,23 @@ def test_unusable_saved_settings_open_with_defaults(qtbot, make_gui, tiny_pair,
     wait_idle(qtbot, gui)
     reply = gui.store.messages(gui.controller.conversation_id)[-1]
     assert reply.status == COMPLETE and reply.stats["generated_tokens"] == 3
+
+
+def test_the_longest_draft_the_panel_offers_is_one_the_engine_runs(qtbot, make_gui,
+                                                                     tiny_pair) -> None:
+    """K went to 32 in the panel while the engine refuses more than K_MAX: every reply
+    then failed with an error banner."""
+    gui = make_gui(ChatSettings(target=str(tiny_pair[0]), draft=str(tiny_pair[1]),
+                                drafter="model", max_tokens=6))
+    panel = gui.window.settings_panel
+    assert panel.k_spin.maximum() == K_MAX
+    panel.k_auto.setChecked(False)
+    panel.k_spin.setValue(panel.k_spin.maximum())
+    assert gui.controller.settings.k == K_MAX
+    gui.controller.send("draft as far as you may")
+    wait_idle(qtbot, gui)
+    reply = gui.store.messages(gui.controller.conversation_id)[-1]
+    assert reply.status == COMPLETE and not gui.window.banner.isVisible()
 
 
 def test_clipboard_copy_of_message(qtbot, make_gui, tiny_pair) -> None:
