@@ -89,7 +89,7 @@ class SettingsPanel(QWidget):
             self.tree_combo.setItemData(self.tree_combo.count() - 1, TREE_HELP[mode],
                                         Qt.ItemDataRole.ToolTipRole)
         self.temperature = _double(0.0, 2.0, 0.1, 2)
-        self.top_p = _double(0.0, 1.0, 0.05, 2)
+        self.top_p = _double(0.01, 1.0, 0.05, 2)  # the engine refuses 0: it keeps nothing
         self.top_k = QSpinBox()
         self.top_k.setRange(0, 100000)
         self.top_k.setSpecialValueText("off")

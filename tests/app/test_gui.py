@@ -480,6 +480,14 @@ def test_the_longest_draft_the_panel_offers_is_one_the_engine_runs(qtbot, make_g
     panel = gui.window.settings_panel
     assert panel.k_spin.maximum() == K_MAX
     panel.k_auto.setChecked(False)
+    # every end of every range the panel offers is one the engine takes (top-p went to 0)
+    for box in (panel.temperature, panel.top_p, panel.top_k, panel.min_p, panel.max_tokens,
+                panel.seed, panel.k_spin):
+        for end in (box.minimum(), box.maximum()):
+            box.setValue(end)
+            gui.controller.settings.to_options()  # raises EngineError for a refused value
+        box.setValue(box.minimum())
+    panel.max_tokens.setValue(6)
     panel.k_spin.setValue(panel.k_spin.maximum())
     assert gui.controller.settings.k == K_MAX
     gui.controller.send("draft as far as you may")
