@@ -206,8 +206,10 @@ class ChatSession:
         if mode == "layerskip" and "layerskip" not in self._drafters:
             raise EngineError("drafter 'layerskip' needs a target with at least 2 layers")
         if mode == "head" and "head" not in self._drafters:
-            raise HeadError("drafter 'head' needs a trained head: run `understudy "
-                            "train-drafter --model MODEL` first")
+            name = self.target.name
+            raise HeadError(f"drafter 'head' needs a head trained for {name}: in the app, "
+                            "Chat ▸ Train a Drafter…; on the command line, `understudy "
+                            f"train-drafter --model {name}`")
         available = tuple(self._drafters) if mode == "auto" else (mode,)
         costs = None
         if options.k is None:
