@@ -208,7 +208,7 @@ class ChatSession:
         if mode == "head" and "head" not in self._drafters:
             name = self.target.name
             raise HeadError(f"drafter 'head' needs a head trained for {name}: in the app, "
-                            "Chat ▸ Train a Drafter…; on the command line, `understudy "
+                            "Chat ▸ Train a Drafter for This Model…; on the command line, `understudy "
                             f"train-drafter --model {name}`")
         available = tuple(self._drafters) if mode == "auto" else (mode,)
         costs = None

@@ -39,7 +39,7 @@ DRAFTER_HELP = {
     "model": "A small draft model proposes tokens (pick it below)",
     "ngram": "Prompt lookup: copies continuations of text already in the conversation",
     "layerskip": "The target's own first layers draft for the full model",
-    "head": "A head trained on this model's own replies (Chat ▸ Train a Drafter…)",
+    "head": "A head trained on this model's own replies (Chat ▸ Train a Drafter for This Model…)",
     "auto": "Pick the best drafter from measured costs and acceptance",
 }
 ACCEPT_HELP = {
