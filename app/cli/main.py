@@ -249,24 +249,53 @@ def cmd_chat(args: argparse.Namespace) -> int:
         buffer.close()  # the last reply's positions reach the disk before the process ends
 
 
+QUIT_COMMANDS = ("/bye", "/quit", "/exit")
+FENCE = '"""'
+CHAT_HELP = f"""commands:
+  /reset              start a new conversation (the system prompt stays)
+  /bye, /quit, /exit  leave (so does Ctrl-D)
+  /help               this list
+  {FENCE}                 on a line of its own, starts a message of several lines (pasted
+                      code, blank lines and all); another {FENCE} line ends it
+Ctrl-C stops a reply as it is written."""
+
+
+def _read_message() -> str:
+    """One message from the terminal: a line, or the lines between two lines holding just
+    triple quotes, so pasted code keeps its blank lines instead of becoming many turns."""
+    line = input("you> ")
+    if line.strip() != FENCE:
+        return line
+    lines: list[str] = []
+    while (more := input("... ")).strip() != FENCE:
+        lines.append(more)
+    return "\n".join(lines)
+
+
 def _chat_loop(args: argparse.Namespace, session, options) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("Understudy chat — empty line or Ctrl-D to quit, /reset to start over.",
-          file=sys.stderr)
+    print('Understudy chat — /bye or Ctrl-D to quit, /reset to start over, """ for a '
+          "message of several lines, /help for more.", file=sys.stderr)
     from engine.errors import EngineError
 
     while True:
         try:
-            line = input("you> ")
+            line = _read_message()
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        if not line.strip():
+        command = line.strip()
+        if not command:
+            continue
+        if command in QUIT_COMMANDS:
             return 0
-        if line.strip() == "/reset":
+        if command == "/reset":
             messages = messages[:1] if args.system else []
+            continue
+        if command in ("/help", "/?"):
+            print(CHAT_HELP, file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         sys.stdout.write("assistant> ")

@@ -233,19 +233,21 @@ def test_closed_stdout_is_not_a_traceback(tiny: Path, tmp_path: Path) -> None:
 
 def test_chat_keeps_the_conversation(tiny: Path, tmp_path: Path,
                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """Two turns over stdin, then an empty line quits (EOF quits too: see the launcher
-    test). The second answer is the one `generate` gives for the whole conversation."""
-    turns = ["Hello there", "And again?"]
+    """Two turns over stdin, the second pasted between triple-quote lines with a blank
+    line inside (one message, not three), then /bye quits (EOF quits too: see the launcher
+    test); an empty line is ignored. Each answer is the one `generate` gives for the
+    whole conversation."""
+    turns = ["Hello there", "And\n\nagain?"]
     proc = cli("chat", "--model", str(tiny), "--max-tokens", "6", data_dir=tmp_path,
-               stdin="\n".join([*turns, "", "never read", ""]))
+               stdin="\n".join(["Hello there", "", '"""', "And", "", "again?", '"""',
+                                "/bye", "never read", ""]))
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
     assert len([ln for ln in proc.stderr.splitlines() if ln.startswith("[6 tokens")]) == 2
-    prompts = proc.stdout.split("you> ")
-    assert prompts[0] == "" and prompts[-1] == ""  # the third prompt got the empty line
-    answers = prompts[1:-1]
-    assert len(answers) == 2 and all(a.startswith("assistant> ") for a in answers)
-    answers = [a.removeprefix("assistant> ").removesuffix("\n") for a in answers]
+    assert proc.stdout.count("... ") == 4  # the block's three lines and its closing fence
+    assert proc.stdout.endswith("you> ")  # /bye: "never read" was never read
+    answers = [part.partition("\nyou> ")[0] for part in proc.stdout.split("assistant> ")[1:]]
+    assert len(answers) == 2
 
     convo: list[dict[str, str]] = []
     for turn, answer in zip(turns, answers, strict=True):
