@@ -21,6 +21,7 @@ from engine.drafters.head_io import head_for_drafter
 from engine.errors import EngineError
 from engine.events import Finished, Stats
 from engine.sampling import SamplingParams
+from engine.tokenizer import check_messages
 from engine.tuning import K_MAX, CostModel, row_budget
 from engine.turns import take_turns
 from resources import resource_path
@@ -170,10 +171,15 @@ def load_prompts(path: Path) -> list[BenchPrompt]:
             continue
         try:
             obj = json.loads(line)
-            prompt = BenchPrompt(str(obj["id"]), str(obj["category"]), list(obj["messages"]))
-        except (ValueError, KeyError, TypeError) as e:
-            raise EngineError(f"{path}:{i}: expected {{id, category, messages}} ({e})") from None
-        out.append(prompt)
+        except ValueError as e:
+            raise EngineError(f"{path}:{i}: not valid JSON ({e})") from None
+        missing = [k for k in ("id", "category", "messages") if not isinstance(obj, dict)
+                   or k not in obj]
+        if missing:
+            raise EngineError(f"{path}:{i}: expected {{id, category, messages}}; missing "
+                              f"{', '.join(missing)}")
+        messages = check_messages(obj["messages"], f"{path}:{i}: messages")
+        out.append(BenchPrompt(str(obj["id"]), str(obj["category"]), list(messages)))
     if not out:
         raise EngineError(f"{path}: no prompts")
     return out
@@ -329,12 +335,14 @@ def run_cli(args: argparse.Namespace) -> int:
     from engine.loading import load_model
 
     prompts = load_prompts(args.prompts or DEFAULT_PROMPTS)
+    categories = sorted({p.category for p in prompts})
     if args.category:
         prompts = [p for p in prompts if p.category in args.category]
     if args.limit:
         prompts = prompts[: args.limit]
     if not prompts:
-        raise EngineError("no prompts left after --category/--limit")
+        raise EngineError("no prompts left after --category/--limit (categories: "
+                          f"{', '.join(categories)})")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     drafter = args.drafter
     if "spec" in modes and drafter == "none":

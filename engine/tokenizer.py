@@ -263,7 +263,7 @@ class Tokenizer:
 
         Extra keyword arguments become template variables (e.g. `enable_thinking`).
         """
-        _check_messages(messages)
+        check_messages(messages)
         try:
             return self._template.render(
                 **{**self._template_vars, **variables},
@@ -290,11 +290,17 @@ class Tokenizer:
         return ids
 
 
-def _check_messages(messages: Any) -> None:
+def check_messages(messages: Any, where: str = "messages") -> tuple[dict[str, str], ...]:
+    """A conversation as every front end takes it (a request, a --messages file, a bench or
+    training prompts file), checked once here: a non-empty list of {role, content} dicts
+    with string values. Returns them as plain dicts; errors name `where` and the turn."""
     if not isinstance(messages, list) or not messages:
-        raise PromptError("messages: expected a non-empty list of {role, content} dicts")
+        raise PromptError(f"{where}: expected a non-empty list of {{role, content}} dicts")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise PromptError(f"messages[{i}]: expected a dict with a 'role' string")
+            raise PromptError(f"{where}[{i}]: expected a dict with a 'role' string "
+                              "(a list of {role, content} dicts)")
         if not isinstance(m.get("content"), str):
-            raise PromptError(f"messages[{i}]: 'content' must be a string")
+            raise PromptError(f"{where}[{i}]: 'content' must be a string "
+                              "(a list of {role, content} dicts)")
+    return tuple({"role": m["role"], "content": m["content"]} for m in messages)

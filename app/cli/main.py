@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
     from engine.errors import PromptError
+    from engine.tokenizer import check_messages
 
     if getattr(args, "messages", None) is not None:
         try:
@@ -129,12 +130,7 @@ def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
             raise PromptError(f"{args.messages}: not valid JSON ({e})") from None
         if isinstance(data, dict) and "messages" in data:
             data = data["messages"]
-        if not isinstance(data, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in data
-        ):
-            raise PromptError(f"{args.messages}: expected a list of {{role, content}} objects")
-        messages = list(data)
+        messages = list(check_messages(data, str(args.messages)))
     else:
         messages = [{"role": "user", "content": _prompt_text(args)}]
     if args.system and not (messages and messages[0]["role"] == "system"):

@@ -27,6 +27,7 @@ import numpy as np
 
 from engine.cache import make_caches
 from engine.errors import EngineError, TrainingDataError
+from engine.tokenizer import check_messages
 from engine.training.open_files import allow_open_files, too_many_open
 from kernels.compile import compiled_on_main_thread
 
@@ -74,15 +75,6 @@ class Sample:
 # ----------------------------------------------------------------------------- sources
 
 
-def _check_messages(messages: Any, where: str) -> tuple[dict[str, str], ...]:
-    if not isinstance(messages, list) or not messages or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str)
-        and isinstance(m.get("content"), str) for m in messages
-    ):
-        raise EngineError(f"{where}: expected a non-empty list of {{role, content}} messages")
-    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
-
-
 def read_items(path: Path, source: str | None = None) -> list[Item]:
     """JSON lines of {"prompt": text} or {"messages": [...]} (a conversation ending with an
     assistant turn is read as it is; otherwise the target writes the reply)."""
@@ -104,7 +96,7 @@ def read_items(path: Path, source: str | None = None) -> list[Item]:
         if isinstance(row, dict) and isinstance(row.get("prompt"), str) and row["prompt"].strip():
             messages = ({"role": "user", "content": row["prompt"]},)
         elif isinstance(row, dict) and "messages" in row:
-            messages = _check_messages(row["messages"], f"{path}:{n}")
+            messages = check_messages(row["messages"], f"{path}:{n}")
         else:
             raise EngineError(f"{path}:{n}: expected {{\"prompt\": text}} or "
                               f"{{\"messages\": [...]}}")
@@ -126,7 +118,7 @@ def history_items(conversations: Sequence[Sequence[dict[str, str]]]) -> list[Ite
     """Every assistant turn of the user's conversations, read as the target wrote it."""
     items: list[Item] = []
     for c, conv in enumerate(conversations):
-        msgs = _check_messages(list(conv), f"history conversation {c}")
+        msgs = check_messages(list(conv), f"history conversation {c}")
         for i, m in enumerate(msgs):
             if m["role"] == "assistant" and m["content"].strip() and i > 0:
                 items.append(Item(f"history:{c}:{i}", msgs[: i + 1], True))

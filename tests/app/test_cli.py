@@ -323,3 +323,11 @@ def test_import_gguf_then_generate(demo_gguf_path: Path, tmp_path: Path) -> None
     result = json.loads(proc.stdout)
     assert result["text"].startswith("```python\ndef is_prime(")
     assert result["stats"]["generated_tokens"] == 12
+
+
+def test_bench_names_the_categories_when_none_match(tiny: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--model", str(tiny), "--category", "nosuch"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no prompts left" in err
+    assert "categories: chat, code-editing, code-generation" in err

@@ -166,9 +166,22 @@ def test_bench_cli_limit_and_category(pair: tuple[Path, Path], tmp_path: Path) -
 
 def test_load_prompts_errors_name_the_line(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
-    path.write_text('{"id": "a", "category": "c", "messages": []}\n{"id": "b"}\n')
-    with pytest.raises(EngineError, match=r"p\.jsonl:2:"):
+    good = '{"id": "a", "category": "c", "messages": [{"role": "user", "content": "hi"}]}'
+    path.write_text(good + '\n{"id": "b"}\n')
+    with pytest.raises(EngineError, match=r"p\.jsonl:2: .*missing category, messages"):
         load_prompts(path)
+    for bad, said in (('"messages": []', r":1: messages: expected a non-empty list"),
+                      ('"messages": "hi"', r":1: messages: expected a non-empty list"),
+                      ('"messages": [{"role": "user", "content": 3}]',
+                       r":1: messages\[0\]: 'content' must be a string")):
+        path.write_text('{"id": "a", "category": "c", ' + bad + "}\n")
+        with pytest.raises(EngineError, match=said):
+            load_prompts(path)
+    path.write_text(good + "\nnot json\n")
+    with pytest.raises(EngineError, match=r"p\.jsonl:2: not valid JSON"):
+        load_prompts(path)
+    path.write_text(good + "\n")
+    assert [p.id for p in load_prompts(path)] == ["a"]  # the control: a good file loads
     path.write_text("\n\n")
     with pytest.raises(EngineError, match="no prompts"):
         load_prompts(path)
