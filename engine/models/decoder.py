@@ -325,7 +325,8 @@ class Model(nn.Module):
 
         `last_only`: logits for the last row alone, (B, 1, V), where a caller reads no other
         (a prompt's chunk, a drafter catching its cache up): the head over 512 rows was 5-13%
-        of reading a prompt. A pass a `FeatureTap` watches still gets every row's logits.
+        of reading a prompt. A pass watched by a tap that keeps logits (the online buffer's)
+        still gets every row's; the head's tap keeps hidden states only.
 
         `n_layers` is how the layer-skip drafter reuses the target's own early layers.
         `capture` (layer index -> None) is filled with those layers' input hidden states: the
@@ -340,7 +341,7 @@ class Model(nn.Module):
                 capture = dict.fromkeys(sorted({i for t in taps for i in t.layers}))
                 start = cache[0].offset
         h = self.model(inputs, mask, cache, n_layers, capture, positions)
-        if last_only and not taps:
+        if last_only and not any(t.needs_logits for t in taps):
             h = h[:, -1:]
         head = self.lm_head if "lm_head" in self else self.model.embed_tokens.as_linear
         logits = head(h)

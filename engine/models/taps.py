@@ -29,6 +29,7 @@ class FeatureTap:
     """
 
     starts_anywhere = False  # whether a first pass may start past position 0 (see `keep`)
+    needs_logits = False  # whether `record` reads every row's logits (a prompt then needs them)
 
     def __init__(self, layers: Sequence[int], owner: object) -> None:
         self.layers = tuple(int(i) for i in layers)

@@ -88,6 +88,7 @@ class OnlineTap(FeatureTap):
     `keep_from` (a prompt's, but its last) are not kept: no top-k is computed for them.
     """
 
+    needs_logits = True  # it keeps the top-k of every position's logits
     starts_anywhere = True
 
     def __init__(self, layers: Sequence[int], owner: object, top_k: int = TOP_K) -> None:

@@ -42,6 +42,7 @@ from engine.sampling import SamplingParams
 from engine.training.fit import FitOptions
 from engine.training.head_init import init_head
 from engine.training.job import TrainOptions, train_drafter
+from engine.training.online import OnlineTap
 from tests.fixtures.tiny_models import write_tiny_model
 
 USER = [{"role": "user", "content": "Hello world! The quick brown fox"}]
@@ -91,11 +92,18 @@ def test_capture_and_tap_do_not_change_the_logits(target: LoadedModel) -> None:
         model.feature_taps.remove(tap)
     assert mx.array_equal(plain, tapped)
     assert tap.length == 6
-    model.feature_taps.add(tap)  # a watched pass keeps every row's logits, even for a prompt
-    try:
-        assert model(ids, cache=caches, last_only=True).shape == plain.shape
-    finally:
-        model.feature_taps.remove(tap)
+    # the head's tap keeps hidden states only, so a prompt's chunk still skips the head's
+    # other rows; a tap that keeps logits (the online buffer's) gets every row
+    for kind, rows in ((FeatureTap, 1), (OnlineTap, ids.shape[1])):
+        fresh = make_caches(model.n_layers)
+        watcher = kind((1, 2, 3), fresh[0])  # a tap watches the passes through its caches
+        model.feature_taps.add(watcher)
+        try:
+            out = model(ids, cache=fresh, last_only=True)
+        finally:
+            model.feature_taps.remove(watcher)
+        assert out.shape[1] == rows
+        assert mx.allclose(out[:, -1], plain[:, -1], atol=1e-4)
     capture: dict = dict.fromkeys((1, 2, 3))
     model(ids, capture=capture)
     want = mx.concatenate([capture[i][0] for i in (1, 2, 3)], axis=-1)
