@@ -64,6 +64,7 @@ class ChatController(QObject):
     model_loading = Signal(str)
     model_load_progressed = Signal(int, int)  # weight bytes read, of total
     model_loaded = Signal(object)  # ModelInfo
+    head_available = Signal(bool)  # whether the current target has a trained head
     comparison_started = Signal(str, str)  # speculative label, plain label
     plain_prompt_progressed = Signal(int, int)  # done, total of the plain run
     plain_step_received = Signal(object, object)  # Step, Stats of the plain run
@@ -78,6 +79,7 @@ class ChatController(QObject):
         self.settings = settings or ChatSettings()
         self.conversation_id: int | None = None
         self.model: ModelInfo | None = None
+        self.has_head = False  # a trained head loads for the current target (head_available)
         self._reply: _Reply | None = None
         self._race_plain: _Reply | None = None  # a comparison's plain run, racing _reply
         self._spec_finished: Finished | None = None
@@ -86,6 +88,7 @@ class ChatController(QObject):
         w = host.worker
         w.model_loading.connect(self._on_model_loading)
         w.model_loaded.connect(self._on_model_loaded)
+        w.head_available.connect(self._on_head_available)
         w.model_load_progressed.connect(self._on_model_load_progressed)
         w.model_load_failed.connect(self._on_model_load_failed)
         w.prompt_progressed.connect(self._on_prompt_progressed)
@@ -359,6 +362,11 @@ class ChatController(QObject):
         if info.spec == self.settings.target:
             self.model = info
         self.model_loaded.emit(info)
+
+    def _on_head_available(self, spec: str, available: bool) -> None:
+        if spec == self.settings.target:
+            self.has_head = available
+            self.head_available.emit(available)
 
     def _on_model_load_failed(self, spec: str, message: str) -> None:
         self.error_raised.emit(f"Could not load model {spec!r}: {message}")

@@ -42,6 +42,8 @@ DRAFTER_HELP = {
     "head": "A head trained on this model's own replies (Chat ▸ Train a Drafter for This Model…)",
     "auto": "Pick the best drafter from measured costs and acceptance",
 }
+NO_HEAD_HELP = ("No drafter head is trained for this model yet: Chat ▸ Train a Drafter for "
+                "This Model… trains one")
 ACCEPT_HELP = {
     "coupled": "Same noise for draft and target: output identical to plain decoding",
     "rejection": "Leviathan/Chen rejection sampling: same distribution, accepts more often",
@@ -166,6 +168,7 @@ class SettingsPanel(QWidget):
         controller.settings_changed.connect(self._on_settings_changed)
         controller.model_loading.connect(self._on_model_loading)
         controller.model_loaded.connect(self._on_model_loaded)
+        controller.head_available.connect(self._on_head_available)
 
     # -- reading and writing ---------------------------------------------------------------
     def settings(self) -> ChatSettings:
@@ -315,6 +318,14 @@ class SettingsPanel(QWidget):
 
     def _on_model_loading(self, spec: str) -> None:
         self.model_status.setText(f"Loading {spec}…")
+
+    def _on_head_available(self, available: bool) -> None:
+        """`head` is offered only for a target with a trained head; without one its entry is
+        greyed out and says how to train one (a reply with it would only fail)."""
+        index = self.drafter_combo.findData("head")
+        item = self.drafter_combo.model().item(index)
+        item.setEnabled(available)
+        item.setToolTip(DRAFTER_HELP["head"] if available else NO_HEAD_HELP)
 
     def _on_model_loaded(self, info: ModelInfo) -> None:
         if info.spec != self.controller.settings.target:

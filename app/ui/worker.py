@@ -161,6 +161,7 @@ class EngineWorker(QObject):
     model_loading = Signal(str)  # spec
     model_load_progressed = Signal(str, int, int)  # spec, weight bytes read, of total
     model_loaded = Signal(object)  # ModelInfo
+    head_available = Signal(str, bool)  # target spec, whether a trained head loads for it
     model_load_failed = Signal(str, str)  # spec, message
     doctor_reported = Signal(object)  # list[str]: `understudy doctor`'s report lines
     generation_started = Signal(int)  # request id
@@ -208,6 +209,13 @@ class EngineWorker(QObject):
         loaded = self._load(spec)
         self._target, self._target_spec = loaded, spec
         self.model_loaded.emit(_model_info(spec, loaded))
+        self._say_head_available()
+
+    def _say_head_available(self) -> None:
+        """Tell the GUI whether `head` can draft for the loaded target (so the drafter list
+        offers it only then); loads the head the first reply would load anyway."""
+        if self._target is not None and self._target_spec is not None:
+            self.head_available.emit(str(self._target_spec), self._trained_head() is not None)
 
     def _draft_model(self, spec: str):
         if spec not in self._drafts:
@@ -352,6 +360,7 @@ class EngineWorker(QObject):
         self._training, self._background = None, False
         self._sessions.clear()  # the next reply's session picks up the new head
         self._head = None
+        self._say_head_available()
         if background:
             self.finetune_ended.emit(self._last_progress, error)
         else:

@@ -30,6 +30,12 @@ def test_training_progress_pause_on_send_and_stop(qtbot, make_gui, target: Path,
     worker.generation_finished.connect(lambda rid, _f: log.append(("reply", rid)))
     ended: list[tuple] = []
     worker.training_ended.connect(lambda last, error: ended.append((last, error)))
+    combo = gui.window.settings_panel.drafter_combo
+    head_item = combo.model().item(combo.findData("head"))
+    # no head yet: the drafter list greys `head` out and says how to get one
+    qtbot.waitUntil(lambda: gui.controller.model is not None and not head_item.isEnabled(),
+                    timeout=TIMEOUT)
+    assert "Train a Drafter" in head_item.toolTip() and not gui.controller.has_head
     gui.window.show_train_drafter()
     dialog = gui.window.train_dialog
     assert dialog is not None and dialog.isVisible()
@@ -65,6 +71,8 @@ def test_training_progress_pause_on_send_and_stop(qtbot, make_gui, target: Path,
     assert error == "" and last.phase == "done" and last.checkpoint
     assert dialog.status.text().startswith(f"Saved after {last.step} steps")
     assert find_head(load_model(str(target))) is not None
+    qtbot.waitUntil(head_item.isEnabled, timeout=TIMEOUT)  # offered once a head is saved
+    assert gui.controller.has_head and "own replies" in head_item.toolTip()
 
     # the next reply's session carries the head: 'head' drafts with it
     gui.controller.set_settings(ChatSettings(target=str(target), drafter="head", k=2,
