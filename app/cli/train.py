@@ -52,11 +52,11 @@ def run(args: argparse.Namespace) -> int:
     from engine.training.fit import FitOptions
     from engine.training.job import TrainOptions, check_data, train_drafter
 
-    target = load_model(args.model)
     conversations = _history() if args.data == "history" else ()
     options = TrainOptions(minutes=args.minutes, data=args.data, conversations=conversations,
                            hot_vocab=args.hot_vocab, max_steps=args.max_steps,
                            fit=replace(FitOptions(), seed=args.seed))
+    target = load_model(args.model)  # after the options: a bad flag is said at once
     # a bad data source is one error line before anything starts
     n_items, n_online = check_data(target, options)
     print(f"training a drafter head for {target.name} for up to {args.minutes:g} min "

@@ -16,6 +16,7 @@ teacher-forced. The training record counts the positions from each source.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import threading
 import time
@@ -78,6 +79,12 @@ class TrainOptions:
     max_steps: int | None = None
     steps: int | None = None  # at most this many optimizer steps in this run (a fine-tune)
     fit: FitOptions = field(default_factory=FitOptions)
+
+    def __post_init__(self) -> None:
+        # checked here, so a front end says so before it loads a model or prints a plan
+        if not (isinstance(self.minutes, int | float) and math.isfinite(self.minutes)
+                and self.minutes > 0):
+            raise EngineError(f"--minutes must be a positive number, got {self.minutes}")
 
 
 @dataclass(frozen=True)
@@ -248,8 +255,6 @@ def train_drafter(target, options: TrainOptions | None = None,
     `target` is a `LoadedModel`; every MLX call happens on the caller's thread.
     """
     options = options or TrainOptions()
-    if options.minutes <= 0:
-        raise EngineError(f"--minutes must be positive, got {options.minutes}")
     clock = ActiveClock()
     root = root or head_root(target.path)
     with exclusive(root / JOB_LOCK, wait=False,

@@ -497,9 +497,13 @@ def test_a_second_job_on_one_head_is_refused_in_one_line(target: LoadedModel,
     assert list(train_drafter(target, _options(6), root=root))[-1].step == 6
 
 
-def test_time_budget_must_be_positive(target: LoadedModel) -> None:
-    with pytest.raises(EngineError, match="--minutes must be positive"):
-        next(train_drafter(target, TrainOptions(minutes=0)))
+def test_time_budget_must_be_positive() -> None:
+    """Refused where the options are made, before a front end loads a model or prints a
+    plan (the CLI used to print its plan and then fail)."""
+    for minutes in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(EngineError, match="--minutes must be a positive number"):
+            TrainOptions(minutes=minutes)
+    assert TrainOptions(minutes=0.5).minutes == 0.5
 
 
 def test_time_the_caller_holds_the_job_is_not_spent_from_its_minutes() -> None:
