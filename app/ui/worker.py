@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import threading
 import traceback
 from collections.abc import Callable
@@ -22,10 +21,8 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, QTimer, Signal, Slot
 
-from engine.choices import ACCEPT_RULES, TREE_MODES
 from engine.errors import EngineError
 from engine.events import Finished, PromptProgress, Step
-from engine.tuning import K_MAX
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +82,7 @@ class ChatSettings:
             if f.name not in (d or {}):
                 continue
             value = d[f.name]
-            if SETTING_CHECKS[f.name](value):
+            if _usable(f.name, value):
                 kept[f.name] = value
             else:
                 log.warning("saved setting %s = %r is not usable; using %r", f.name, value,
@@ -104,32 +101,28 @@ class ChatSettings:
                                k=self.k, accept=self.accept, tree=self.tree)
 
 
-def _real(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _whole(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-# what each saved setting may hold (the ranges the engine accepts: engine.sampling)
-SETTING_CHECKS: dict[str, Callable[[Any], bool]] = {
+# settings the engine never sees as such (the rest are checked by the engine's own rules)
+TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "target": lambda v: isinstance(v, str) and bool(v),
     "draft": lambda v: v is None or isinstance(v, str),
-    "drafter": lambda v: isinstance(v, str) and v in DRAFTER_MODES,
-    "k": lambda v: v is None or (_whole(v) and 1 <= v <= K_MAX),
-    "accept": lambda v: isinstance(v, str) and v in ACCEPT_RULES,
-    "tree": lambda v: isinstance(v, str) and v in TREE_MODES,
-    "temperature": lambda v: _real(v) and v >= 0,
-    "top_p": lambda v: _real(v) and 0 < v <= 1,
-    "top_k": lambda v: _whole(v) and v >= 0,
-    "min_p": lambda v: _real(v) and 0 <= v <= 1,
-    "max_tokens": lambda v: _whole(v) and v >= 1,
-    "seed": lambda v: _whole(v) and 0 <= v < 2**64,
+    "drafter": lambda v: isinstance(v, str) and v in DRAFTER_MODES,  # the panel's words
     "system_prompt": lambda v: isinstance(v, str),
     "learn_from_chats": lambda v: isinstance(v, bool),
     "improve_drafter": lambda v: isinstance(v, bool),
 }
+
+
+def _usable(name: str, value: Any) -> bool:
+    """Whether a saved setting can stand: by its type, or by the engine's own checks of the
+    options it becomes (GenerateOptions, SamplingParams), so the ranges live in one place."""
+    check = TYPE_CHECKS.get(name)
+    if check is not None:
+        return check(value)
+    try:
+        replace(ChatSettings(), **{name: value}).to_options()
+    except (EngineError, TypeError, ValueError):
+        return False
+    return True
 
 
 @dataclass(frozen=True)
