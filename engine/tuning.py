@@ -454,6 +454,8 @@ class DraftPolicy:
         self.ngram_match = ngram_match
         self.memory = memory if memory is not None else PolicyMemory()
         self.cost_probes = COST_PROBES  # read when the policy is made (one per reply)
+        # the cost probe before the one in flight: restored if that one's pass goes untimed
+        self._probe_before: tuple[int, float] | None = None
         self._guess: tuple[str, int] | None = None  # (estimate key, guessed next token)
 
     @property
@@ -597,6 +599,7 @@ class DraftPolicy:
                     continue
             if probe_k > k and not costs.confirmed(probe_k + 1):
                 # `update` prices the probe's pass once it has run
+                self._probe_before = last
                 self.memory.cost_probe = (self.memory.steps, 0.0)
                 return Choice(name, probe_k, key, probe=True)
         return None
@@ -641,6 +644,11 @@ class DraftPolicy:
         if choice.estimate is not None:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)
+        if choice.probe and seconds is None:
+            # its pass went untimed (it built kernels for a new shape): it tested nothing,
+            # so it must not hold the next probe off for PROBE_EVERY steps of a table
+            # still stale (a whole reply's first quarter, all plain steps)
+            self.memory.cost_probe = self._probe_before
         if seconds is not None and width and self.costs is not None and self.fixed_k is None:
             if choice.probe and self.memory.cost_probe is not None:
                 # what it cost beyond plain steps committing the same tokens: a probe whose

@@ -3,7 +3,7 @@ per-step policy, and calibration cached in the app-data dir."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 
 import numpy as np
 import pytest
@@ -552,9 +552,10 @@ COPYING = [*range(100, 140), 7, *range(100, 120)]  # the reply copies the prompt
 def run_policy(costs: CostModel, steps: int, probes: bool, monkeypatch: pytest.MonkeyPatch,
                true: dict[int, float] = TRUE,
                load: Callable[[int], float] = lambda step: 1.0,
-               accepted: bool = True) -> list[Choice]:
+               accepted: bool = True, untimed: Container[int] = ()) -> list[Choice]:
     """The policy on copied text, each step timed at `true` costs times the machine's
-    `load` at that step, every draft accepted (or, with `accepted` off, none)."""
+    `load` at that step (no timing at the steps in `untimed`: a pass that traced), every
+    draft accepted (or, with `accepted` off, none)."""
     monkeypatch.setattr("engine.tuning.COST_PROBES", probes)
     policy = DraftPolicy("ngram", ("ngram",), costs, ngram_match=ngram_match)
     truth = CostModel(dict(true))
@@ -563,8 +564,8 @@ def run_policy(costs: CostModel, steps: int, probes: bool, monkeypatch: pytest.M
         choice = policy.choose(COPYING)
         n_drafted = choice.k if choice.drafter else 0
         width = n_drafted + 1
-        policy.update(choice, n_drafted, n_drafted if accepted else 0,
-                      truth.verify(width) * load(step), width)
+        seconds = None if step in untimed else truth.verify(width) * load(step)
+        policy.update(choice, n_drafted, n_drafted if accepted else 0, seconds, width)
         choices.append(choice)
     return choices
 
@@ -574,6 +575,19 @@ def test_a_stale_table_is_probed_and_prompt_lookup_recovers(
     choices = run_policy(CostModel(dict(STALE)), 40, True, monkeypatch)
     assert choices[0].drafter == "ngram" and choices[0].k == K_MAX  # probed at once
     assert all(c.drafter == "ngram" and c.k >= 8 for c in choices[1:])
+
+
+def test_a_probe_whose_pass_went_untimed_is_retried_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first probe's pass built kernels for its shape, so it timed nothing (the CI
+    failure: a stale session then ran 14 plain steps, x1.27 against x1.9): the next step
+    probes again instead of waiting PROBE_EVERY steps, and drafting follows."""
+    choices = run_policy(CostModel(dict(STALE)), 40, True, monkeypatch, untimed={0})
+    assert choices[0].probe and choices[1].probe
+    assert all(c.drafter == "ngram" and c.k >= 8 for c in choices[1:])
+    # a timed probe is not repeated: the probes stay spaced
+    choices = run_policy(CostModel(dict(STALE)), 40, True, monkeypatch)
+    assert choices[0].probe and not any(c.probe for c in choices[1:PROBE_EVERY])
 
 
 def test_without_probes_a_stale_table_locks_prompt_lookup_out(
