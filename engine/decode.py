@@ -28,6 +28,7 @@ from engine.calibration import (
     save_costs,
 )
 from engine.choices import ACCEPT_RULES, DRAFTERS, TREE_MODES
+from engine.context_fit import fit_to_window, reply_room
 from engine.drafters.base import Drafter
 from engine.drafters.head import HeadDrafter, HeadModel, default_layers
 from engine.drafters.layerskip import LayerSkipDrafter
@@ -181,8 +182,16 @@ class ChatSession:
         options: GenerateOptions | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[PromptProgress | Step | Finished]:
-        """Reply to `messages` (role/content dicts), yielding progress, steps, then Finished."""
-        return self.generate_ids(self.encode(messages), options, cancel)
+        """Reply to `messages` (role/content dicts), yielding progress, steps, then Finished.
+
+        A conversation longer than the context window has its oldest exchanges left out
+        (`engine.context_fit`); the reply's stats say how many messages.
+        """
+        options = options or GenerateOptions()
+        window = self.context_window
+        fitted = fit_to_window(messages, self.encode, window,
+                               reply_room(window, options.max_tokens))
+        return self._start(fitted.ids, options, cancel, fitted.dropped)
 
     def _reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Trim the cache to the longest prefix shared with `prompt_ids`; return its length.
@@ -258,8 +267,13 @@ class ChatSession:
         options: GenerateOptions | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[PromptProgress | Step | Finished]:
-        """Like `generate`, from token ids. Validates eagerly, then returns the event stream."""
-        options = options or GenerateOptions()
+        """Like `generate`, from token ids, which must fit the context window as they are.
+        Validates eagerly, then returns the event stream."""
+        return self._start(prompt_ids, options or GenerateOptions(), cancel, 0)
+
+    def _start(self, prompt_ids: Sequence[int], options: GenerateOptions,
+               cancel: threading.Event | None, dropped: int,
+               ) -> Iterator[PromptProgress | Step | Finished]:
         if not prompt_ids:
             raise PromptError("the prompt is empty: it encodes to no tokens")
         if len(prompt_ids) + 1 > self.context_window:
@@ -268,7 +282,7 @@ class ChatSession:
                 f"(config.json max_position_embeddings) is {self.context_window}"
             )
         policy = self._policy(options) if options.drafter != "none" else None
-        return self._run(list(prompt_ids), options, cancel, policy)
+        return self._run(list(prompt_ids), options, cancel, policy, dropped)
 
     def _run(
         self,
@@ -276,9 +290,10 @@ class ChatSession:
         options: GenerateOptions,
         cancel: threading.Event | None,
         policy: DraftPolicy | None,
+        dropped: int = 0,
     ) -> Iterator[PromptProgress | Step | Finished]:
         mx.reset_peak_memory()
-        stats = Stats(prompt_tokens=len(prompt_ids))
+        stats = Stats(prompt_tokens=len(prompt_ids), dropped_messages=dropped)
         self.stats = stats
         t_start = time.perf_counter()
         reused = self._reuse_prefix(prompt_ids)

@@ -91,6 +91,8 @@ class Stats:
     verify_s: float = 0.0
     peak_memory_bytes: int = 0
     finish_reason: str | None = None  # "eos" | "length" | "stop" | "cancelled" | None while running
+    # oldest messages of the conversation left out so the prompt fit the context window
+    dropped_messages: int = 0
 
     @property
     def prompt_tps(self) -> float:
@@ -127,6 +129,7 @@ class Stats:
             "decode_s": self.decode_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "finish_reason": self.finish_reason,
+            "dropped_messages": self.dropped_messages,
         }
 
 

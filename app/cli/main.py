@@ -210,6 +210,14 @@ def _stream(session, messages, options, out=sys.stdout) -> Any:
     return finished, steps
 
 
+def _dropped(stats) -> str:
+    """The stats line's note on messages left out to fit the context window, if any."""
+    from engine.context_fit import dropped_note
+
+    note = dropped_note(stats.dropped_messages)
+    return f" · {note}" if note else ""
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     messages = _messages(args)
     options = _options(args)
@@ -225,7 +233,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         print(f"[{s.generated_tokens} tokens · {s.decode_tps:.1f} tok/s · prompt "
               f"{s.prompt_tps:.1f} tok/s · {s.tau:.2f} tokens/pass · "
-              f"{100 * s.acceptance:.0f}% accepted · {s.finish_reason}]", file=sys.stderr)
+              f"{100 * s.acceptance:.0f}% accepted · {s.finish_reason}{_dropped(s)}]",
+              file=sys.stderr)
     return 0
 
 
@@ -308,7 +317,7 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
         s = finished.stats
         sys.stdout.write("\n")
         print(f"[{s.generated_tokens} tokens · {s.decode_tps:.1f} tok/s · "
-              f"{s.tau:.2f} tokens/pass]", file=sys.stderr)
+              f"{s.tau:.2f} tokens/pass{_dropped(s)}]", file=sys.stderr)
         messages.append({"role": "assistant", "content": finished.text})
 
 

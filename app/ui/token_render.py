@@ -29,6 +29,7 @@ from pygments.lexers import TextLexer, get_lexer_by_name, guess_lexer
 from pygments.util import ClassNotFound
 
 from app.store import Message, stats_from_dict
+from engine.context_fit import dropped_note
 from engine.events import Stats, Step, Token, TokenKind
 
 MONO = "Menlo, 'SF Mono', Consolas, 'DejaVu Sans Mono', monospace"
@@ -250,6 +251,8 @@ def footer_text(stats: Stats) -> str:
     if stats.n_drafted:
         parts.append(f"{stats.acceptance:.0%} accepted")
     parts.append(f"{stats.tau:.1f} tokens/pass")
+    if stats.dropped_messages:
+        parts.append(dropped_note(stats.dropped_messages))
     return " · ".join(parts)
 
 

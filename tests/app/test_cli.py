@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 STATS_KEYS = {
     "prompt_tokens", "prefilled_tokens", "generated_tokens", "prompt_tps", "decode_tps",
     "target_passes", "tau", "acceptance", "drafted", "accepted", "draft_s", "verify_s",
-    "prompt_s", "decode_s", "peak_memory_bytes", "finish_reason",
+    "prompt_s", "decode_s", "peak_memory_bytes", "finish_reason", "dropped_messages",
 }
 PRIME = "Write a Python function that checks if a number is prime."
 
@@ -258,6 +259,25 @@ def test_chat_keeps_the_conversation(tiny: Path, tmp_path: Path,
                             "--max-tokens", "6")["text"]
         assert answer == expected
         convo.append({"role": "assistant", "content": answer})
+
+
+def test_chat_goes_on_past_the_context_window(tiny: Path, tmp_path: Path) -> None:
+    """The model's window cut to 512 tokens: twelve turns of ~160 tokens each all get a
+    reply, the later ones saying how many early messages they left out."""
+    small = tmp_path / "small-window"
+    shutil.copytree(tiny, small)
+    config = json.loads((small / "config.json").read_text())
+    config["max_position_embeddings"] = 512
+    (small / "config.json").write_text(json.dumps(config))
+    turns = [f"turn {i}: " + "a" * 150 for i in range(12)]
+    proc = cli("chat", "--model", str(small), "--max-tokens", "8", data_dir=tmp_path,
+               stdin="\n".join(turns) + "\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "error" not in proc.stderr and "Traceback" not in proc.stderr
+    stats = [ln for ln in proc.stderr.splitlines() if ln.startswith("[")]
+    assert len(stats) == 12, proc.stderr
+    assert "left out" not in stats[0]
+    assert "earliest messages left out to fit the context window" in stats[-1]
 
 
 def _maps_once_mlx_is_loaded(proc: subprocess.Popen, deadline: float) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 import time
 from dataclasses import replace
@@ -251,6 +253,33 @@ def test_engine_error_shows_banner_not_crash(qtbot, make_gui, tiny_pair) -> None
                                           "hi again")
     wait_idle(qtbot, gui)
     assert [m.content for m in gui.store.messages(gui.controller.conversation_id)][0] == "hi again"
+
+
+def test_a_chat_past_the_context_window_keeps_answering(qtbot, make_gui, tiny_pair, tmp_path,
+                                                       screenshots_dir) -> None:
+    """The target's window cut to 512 tokens: six messages of ~160 tokens each all get a
+    reply (before, every message past the window failed with "the prompt is too long"),
+    and the footer of a reply that left early messages out says so."""
+    small = tmp_path / "small-window"
+    shutil.copytree(tiny_pair[0], small)
+    config = json.loads((small / "config.json").read_text())
+    config["max_position_embeddings"] = 512
+    (small / "config.json").write_text(json.dumps(config))
+    gui = make_gui(plain_settings(small, max_tokens=16))
+    errors: list[str] = []
+    gui.controller.error_raised.connect(errors.append)
+    for i in range(6):
+        gui.controller.send(f"message {i}: " + "a" * 150)
+        wait_idle(qtbot, gui)
+    replies = [m for m in gui.store.messages(gui.controller.conversation_id)
+               if m.role == "assistant"]
+    assert errors == [] and [m.status for m in replies] == [COMPLETE] * 6
+    dropped = [stats_from_dict(m.stats).dropped_messages for m in replies]
+    assert dropped[0] == 0 and dropped[-1] > 0
+    footer = gui.window.chat_view.cards[-1].footer.text()
+    assert footer.endswith(f"{dropped[-1]} earliest messages left out to fit the context window")
+    gui.window.resize(900, 640)
+    gui.window.grab().save(str(screenshots_dir / "context_window_note.png"))
 
 
 def test_missing_model_shows_banner(qtbot, make_gui, tmp_path) -> None:

@@ -1,0 +1,91 @@
+"""A conversation longer than the model's context window: leave its oldest exchanges out.
+
+Without this a chat stops working for good once it outgrows the window (8,192 tokens on
+the demo model: a few pasted files): every later message fails with "the prompt is too
+long". What is kept: the leading system prompt, and the newest exchanges, starting at a
+user message (chat templates expect a user turn after the system prompt). The exchanges
+left out are still in the history, only not in what the model reads.
+
+Where the cut falls is a function of the messages alone, so a plain and a speculative run
+of one request (the app's race, `understudy bench`) read the same prompt and write the
+same text. And it moves in steps of a quarter window: once a cut is made, it stays where
+it is while the conversation grows by up to that much, so the following turns reuse the
+cached prefix (`ChatSession._reuse_prefix`) instead of computing the whole prompt again
+each time, as a cut just big enough for each turn would make them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.errors import PromptError
+
+
+@dataclass(frozen=True)
+class FittedPrompt:
+    """The prompt's token ids, and how many messages were left out to fit the window."""
+
+    ids: list[int]
+    dropped: int = 0
+
+
+def reply_room(window: int, max_tokens: int) -> int:
+    """Tokens a fitted prompt leaves free for the reply: what was asked for, but never more
+    than a quarter of the window (a long max_tokens must not leave the model no memory)."""
+    return max(1, min(max_tokens, window // 4))
+
+
+def fit_to_window(messages: Sequence[dict], encode: Callable[[Sequence[dict]], list[int]],
+                  window: int, room: int, step: int | None = None) -> FittedPrompt:
+    """The prompt for `messages`, with the oldest exchanges left out when it and `room`
+    tokens for the reply do not fit `window`.
+
+    The cut leaves out at least what must go, rounded up to a multiple of `step` tokens
+    (default a quarter window; counted in the template's own tokens), at the first user
+    message after that.
+    """
+    ids = encode(messages)
+    need = len(ids) + room - window
+    if need <= 0:
+        return FittedPrompt(ids)
+    pinned = 1 if messages and messages[0].get("role") == "system" else 0
+    # where a kept part may start: at a user message, the newest one at the latest
+    starts = [i for i in range(pinned, len(messages)) if messages[i].get("role") == "user"]
+    starts = starts or [len(messages) - 1]
+
+    def cut_at(j: int) -> list[int]:
+        return encode([*messages[:pinned], *messages[starts[j]:]])
+
+    step = max(1, window // 4 if step is None else step)
+    for wanted in (-(-need // step) * step, need):
+        # fewest messages left out that drop `wanted` tokens (more left out, fewer tokens)
+        lo, hi, best = 0, len(starts) - 1, None
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            kept = cut_at(mid)
+            if len(ids) - len(kept) >= wanted:
+                best, hi = (mid, kept), mid - 1
+            else:
+                lo = mid + 1
+        if best is not None:
+            j, kept = best
+            return FittedPrompt(kept, starts[j] - pinned)
+    # not even the newest exchange leaves the reply its room: it gets what is left
+    j = len(starts) - 1
+    last = cut_at(j) if starts[j] > pinned else ids
+    if len(last) < window:
+        return FittedPrompt(last, starts[j] - pinned)
+    raise PromptError(
+        f"the last message is {len(last)} tokens long with the chat template"
+        f"{' and the system prompt' if pinned else ''}, but the model's context window "
+        f"(config.json max_position_embeddings) is {window}: shorten it or split it over "
+        "several messages")
+
+
+def dropped_note(dropped: int) -> str:
+    """What a reply's footer or stats line says when messages were left out ("" if none)."""
+    if dropped <= 0:
+        return ""
+    return (f"{dropped} earliest message{'s' if dropped != 1 else ''} left out to fit the "
+            "context window")
