@@ -21,6 +21,7 @@ from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette, QPen
 from PySide6.QtWidgets import QGridLayout, QLabel, QProgressBar, QSizePolicy, QVBoxLayout, QWidget
 
 from app.ui.token_render import footer_text
+from engine.context_fit import dropped_note
 from engine.events import Stats
 
 
@@ -146,6 +147,8 @@ class GaugeWidget(QWidget):
         self.tau_label = QLabel("—")
         self.accept_label = QLabel("—")
         self.tokens_label = QLabel("0")
+        self.context_label = QLabel("—")
+        self.context_window = 0  # the model's, once known (`set_context_window`)
         self.sparkline = Sparkline()
         self.progress = QProgressBar()
         self.progress.setTextVisible(True)
@@ -156,7 +159,7 @@ class GaugeWidget(QWidget):
         grid.setContentsMargins(0, 0, 0, 0)
         for row, (name, label) in enumerate(
             (("tokens/pass", self.tau_label), ("accepted", self.accept_label),
-             ("tokens", self.tokens_label))
+             ("tokens", self.tokens_label), ("context", self.context_label))
         ):
             caption = QLabel(name)
             caption.setObjectName("gaugeCaption")
@@ -177,7 +180,13 @@ class GaugeWidget(QWidget):
         self.tau_label.setText("—")
         self.accept_label.setText("—")
         self.tokens_label.setText("0")
+        self.context_label.setText("—")
+        self.context_label.setToolTip("")
         self.progress.hide()
+
+    def set_context_window(self, tokens: int) -> None:
+        """The loaded model's context window (0: unknown), which `context` is out of."""
+        self.context_window = tokens
 
     def show_prompt_progress(self, done: int, total: int) -> None:
         self.progress.setRange(0, max(total, 1))
@@ -193,6 +202,19 @@ class GaugeWidget(QWidget):
         self.tau_label.setText(f"{stats.tau:.2f}")
         self.accept_label.setText(f"{stats.acceptance:.0%}" if stats.n_drafted else "—")
         self.tokens_label.setText(str(stats.generated_tokens))
+        self._show_context(stats)
+
+    def _show_context(self, stats: Stats) -> None:
+        """How much of the context window the reply's prompt and text take."""
+        used = stats.prompt_tokens + stats.generated_tokens
+        window = self.context_window
+        self.context_label.setText(f"{used:,} / {window:,}" if window else f"{used:,}")
+        tip = "tokens the model reads for this reply: the prompt and the reply so far"
+        if window:
+            tip += f", of the {window:,} its context window holds"
+        if stats.dropped_messages:
+            tip += f"; {dropped_note(stats.dropped_messages)}"
+        self.context_label.setToolTip(tip)
 
     def show_final(self, stats: Stats | None) -> None:
         """The reply's final totals (the message footer carries the same line)."""
@@ -202,6 +224,7 @@ class GaugeWidget(QWidget):
             self.tau_label.setText(f"{stats.tau:.2f}")
             self.accept_label.setText(f"{stats.acceptance:.0%}" if stats.n_drafted else "—")
             self.tokens_label.setText(str(stats.generated_tokens))
+            self._show_context(stats)
             self.setToolTip(footer_text(stats))
 
     @property

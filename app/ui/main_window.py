@@ -512,6 +512,9 @@ class MainWindow(QMainWindow):
         model = self.controller.model
         if model is not None:
             self.model_label.setText(f"{model.name} · {model.model_type} · {model.backend}")
+            for gauge in (self.gauge, self.comparison_view.speculative.gauge,
+                          self.comparison_view.plain.gauge):
+                gauge.set_context_window(model.context_window)
         if info.template_warning:
             self.banner.show_message(info.template_warning)
 

@@ -278,6 +278,11 @@ def test_a_chat_past_the_context_window_keeps_answering(qtbot, make_gui, tiny_pa
     assert dropped[0] == 0 and dropped[-1] > 0
     footer = gui.window.chat_view.cards[-1].footer.text()
     assert footer.endswith(f"{dropped[-1]} earliest messages left out to fit the context window")
+    # the gauge: how much of the window the last reply's prompt and text took
+    last = stats_from_dict(replies[-1].stats)
+    used = last.prompt_tokens + last.generated_tokens
+    assert gui.window.gauge.context_label.text() == f"{used:,} / 512" and used <= 512
+    assert "earliest messages left out" in gui.window.gauge.context_label.toolTip()
     gui.window.resize(900, 640)
     gui.window.grab().save(str(screenshots_dir / "context_window_note.png"))
 
