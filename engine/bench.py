@@ -345,8 +345,6 @@ def run_cli(args: argparse.Namespace) -> int:
                           f"{', '.join(categories)})")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     drafter = args.drafter
-    if "spec" in modes and drafter == "none":
-        drafter = "auto"
     k = None if args.k == "auto" else int(args.k)
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
     options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, drafter=drafter,

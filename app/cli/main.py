@@ -19,13 +19,15 @@ from app.cli.launcher import ensure_openblas
 from engine.choices import ACCEPT_RULES, DRAFTERS, TREE_MODES
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser,
+                    drafter_help: str = "speculative drafter (default: none = plain decoding)",
+                    ) -> None:
     p.add_argument("--model", default="demo",
                    help="model folder, HF repo id in the local HF cache, or 'demo' (default)")
     p.add_argument("--draft", default=None, help="draft model for --drafter model/auto")
     p.add_argument("--drafter", default="none",
                    choices=DRAFTERS,
-                   help="speculative drafter (default: none = plain decoding)")
+                   help=drafter_help)
     p.add_argument("--k", default="auto", help="draft length: 'auto' (adaptive) or a number")
     p.add_argument("--accept", default="coupled", choices=ACCEPT_RULES,
                    help="lossless acceptance rule")
@@ -82,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("dest", type=Path)
 
     bench = sub.add_parser("bench", help="measure plain vs speculative decoding")
-    _add_model_args(bench)
+    _add_model_args(bench, "the spec mode's drafter (default: auto, the drafters weighed "
+                    "by their measured costs and acceptance)")
+    bench.set_defaults(drafter="auto")
     bench.add_argument("--prompts", type=Path, default=None,
                        help="JSON lines {id, category, messages}; default: the bundled set")
     bench.add_argument("--modes", default="plain,spec",
