@@ -173,7 +173,11 @@ class _Api:
                            code="context_length_exceeded")
         drafter = req.drafter or self.config.default_drafter
         if drafter not in ("none", "auto", *card.drafters):
-            raise ApiError(400, f"drafter {drafter!r} is not available for this model "
+            why = {"head": f": no drafter head is trained for it (`understudy train-drafter "
+                           f"--model {card.id}`, then start the server again)",
+                   "model": ": the server was started without a draft model (--draft)",
+                   }.get(drafter, "")
+            raise ApiError(400, f"drafter {drafter!r} is not available for this model{why} "
                            f"(available: none, auto, {', '.join(card.drafters)})",
                            param="drafter")
         try:

@@ -401,6 +401,16 @@ def test_bad_input_gets_an_error_object(serve, card: ModelCard, name: str, path:
     assert ok == 200 and good["usage"]["completion_tokens"] == 1
 
 
+def test_a_drafter_the_model_lacks_says_why(serve, card: ModelCard) -> None:
+    """No head is trained for the served model: the error says how to get one."""
+    server = _limited_server(serve)
+    got, reply = raw(server, "POST", "/v1/chat/completions",
+                     _chat(model=card.id, drafter="head"), {"Content-Type": "application/json"})
+    assert got == 400 and reply["error"]["param"] == "drafter"
+    assert f"understudy train-drafter --model {card.id}" in reply["error"]["message"]
+    assert "available: none, auto, " in reply["error"]["message"]
+
+
 _LIMITED: dict[str, BackgroundServer] = {}
 
 
