@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.store import FAILED, GENERATING, INTERRUPTED, STOPPED, Message, stats_from_dict
-from app.ui.controller import ChatController
+from app.ui.controller import ChatController, sent_to_model
 from app.ui.theme import widget_is_dark
 from app.ui.token_render import (
     COPY_SCHEME,
@@ -284,6 +284,13 @@ class ChatView(QWidget):
         self.empty_label.setObjectName("emptyHint")
         self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.column_layout.insertWidget(0, self.empty_label)
+        # where the newest reply's prompt began, when the conversation outgrew the window
+        self.context_divider = QLabel("The model no longer reads the messages above: the "
+                                      "conversation outgrew its context window")
+        self.context_divider.setObjectName("contextDivider")
+        self.context_divider.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.context_divider.setWordWrap(True)
+        self.context_divider.hide()
         self.scroll = QScrollArea()
         self.scroll.setWidgetResizable(True)
         self.scroll.setFrameShape(QFrame.Shape.NoFrame)
@@ -352,6 +359,27 @@ class ChatView(QWidget):
             self._append_card(m)
         self._follow = True
         self._update_empty()
+        self._place_context_divider()
+
+    def _place_context_divider(self) -> None:
+        """Put the divider before the first message the newest reply read, when that reply
+        left earlier ones out to fit the context window (`Stats.dropped_messages` counts
+        the messages its request sent, from the oldest)."""
+        self.column_layout.removeWidget(self.context_divider)
+        self.context_divider.hide()
+        for i in range(len(self.cards) - 1, -1, -1):
+            card = self.cards[i]
+            if card.message.role != "assistant":
+                continue
+            stats = card.live_stats or stats_from_dict(card.message.stats)
+            if stats is None or not stats.dropped_messages:
+                return
+            sent = [c for c in self.cards[:i] if sent_to_model(c.message)]
+            if stats.dropped_messages < len(sent):
+                at = self.column_layout.indexOf(sent[stats.dropped_messages])
+                self.column_layout.insertWidget(at, self.context_divider)
+                self.context_divider.show()
+            return
 
     def _append_card(self, message: Message) -> MessageCard:
         card = MessageCard(message, self)
@@ -376,7 +404,10 @@ class ChatView(QWidget):
         card = self.card_for(message_id)
         if card is None:
             return
+        first = card.live_stats is None
         card.add_step(step, stats)
+        if first:
+            self._place_context_divider()
         self._dirty.add(message_id)
         self._render_timer.start()
 
@@ -392,6 +423,7 @@ class ChatView(QWidget):
         if card is not None:
             self._dirty.discard(message.id)
             card.finish(message)
+        self._place_context_divider()
 
     def _on_reply_discarded(self, message_id: int) -> None:
         card = self.card_for(message_id)
@@ -400,6 +432,7 @@ class ChatView(QWidget):
             self.column_layout.removeWidget(card)
             card.deleteLater()
         self._update_empty()
+        self._place_context_divider()
 
     def _on_copy_requested(self, message_id: int) -> None:
         card = self.card_for(message_id)

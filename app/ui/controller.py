@@ -50,6 +50,12 @@ def title_from(text: str) -> str:
     return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
 
 
+def sent_to_model(message: Message) -> bool:
+    """Whether a stored message is part of what a reply's request sends (a reply that
+    failed before its first token has nothing to say)."""
+    return bool(message.content) or message.role == "user"
+
+
 class ChatController(QObject):
     conversations_changed = Signal()
     conversation_opened = Signal(object)  # list[Message] of the newly current conversation
@@ -221,7 +227,7 @@ class ChatController(QObject):
         if self.settings.system_prompt.strip():
             out.append({"role": "system", "content": self.settings.system_prompt})
         for m in self.store.messages(self.conversation_id, with_steps=False):
-            if m.content or m.role == "user":
+            if sent_to_model(m):
                 out.append({"role": m.role, "content": m.content})
         return tuple(out)
 

@@ -283,6 +283,26 @@ def test_a_chat_past_the_context_window_keeps_answering(qtbot, make_gui, tiny_pa
     used = last.prompt_tokens + last.generated_tokens
     assert gui.window.gauge.context_label.text() == f"{used:,} / 512" and used <= 512
     assert "earliest messages left out" in gui.window.gauge.context_label.toolTip()
+
+    # a divider stands before the first message the last reply read, after a reopen too
+    def divider_before() -> str:
+        view = gui.window.chat_view
+        assert view.context_divider.isVisibleTo(gui.window)
+        at = view.column_layout.indexOf(view.context_divider)
+        return view.column_layout.itemAt(at + 1).widget().message.content
+
+    messages = gui.store.messages(gui.controller.conversation_id)
+    assert divider_before() == messages[dropped[-1]].content
+    assert messages[dropped[-1]].role == "user"
+    gui.controller.open_conversation(gui.controller.conversation_id)
+    assert divider_before() == messages[dropped[-1]].content
+    view = gui.window.chat_view
+    qtbot.waitUntil(lambda: view.scroll.verticalScrollBar().maximum() > 0, timeout=TIMEOUT)
+    qtbot.wait(50)  # the reopened cards' layout
+    view._follow = False
+    view.scroll.verticalScrollBar().setValue(view.context_divider.y() - 250)
+    qtbot.wait(50)
+    gui.window.grab().save(str(screenshots_dir / "context_window_divider.png"))
     gui.window.resize(900, 640)
     gui.window.grab().save(str(screenshots_dir / "context_window_note.png"))
 
