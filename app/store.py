@@ -19,12 +19,12 @@ import math
 import sqlite3
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from app.store_repair import Damaged, Repair, check, salvage, set_aside
-from engine.events import Stats, Step, Token, TokenKind
+from engine.events import Stats, Step, Token, TokenKind, without_cut_mark
 from engine.paths import app_data_dir
 
 log = logging.getLogger(__name__)
@@ -323,6 +323,37 @@ class Store:
         """An empty assistant message that steps will be appended to."""
         return self.add_message(conversation_id, "assistant", "", status=GENERATING,
                                 model=model, settings=settings)
+
+    def resume_reply(self, message_id: int) -> None:
+        """Open a finished reply again so a continuation's steps are appended to it.
+
+        A reply cut mid-character ends with CUT_MARK, in its text and its last step; the
+        continuation writes that character whole, so the mark goes from both.
+        """
+        with self._transaction():
+            self._db.execute("UPDATE messages SET status = ?, error = NULL WHERE id = ?",
+                             (GENERATING, message_id))
+            row = self._db.execute(
+                "SELECT content FROM messages WHERE id = ?", (message_id,)).fetchone()
+            if row is None or without_cut_mark(row[0]) == row[0]:
+                return
+            self._db.execute("UPDATE messages SET content = ? WHERE id = ?",
+                             (without_cut_mark(row[0]), message_id))
+            last = self._db.execute(
+                "SELECT idx, data FROM steps WHERE message_id = ? ORDER BY idx DESC LIMIT 1",
+                (message_id,)).fetchone()
+            if last is None:
+                return
+            step = step_from_json(last[1])
+            tokens = list(step.tokens)
+            for i in reversed(range(len(tokens))):
+                if tokens[i].kind.committed:
+                    tokens[i] = replace(tokens[i], text=without_cut_mark(tokens[i].text))
+                    if tokens[i].text:
+                        break
+            self._db.execute("UPDATE steps SET data = ? WHERE message_id = ? AND idx = ?",
+                             (step_to_json(replace(step, tokens=tuple(tokens))), message_id,
+                              last[0]))
 
     def append_step(self, message_id: int, step: Step) -> None:
         """Save one step and grow the reply's text, in one transaction (crash-safe)."""

@@ -169,27 +169,33 @@ class ChatSession:
         if self._recorder is not None:
             self._recorder.tap.clear()
 
-    def encode(self, messages: Sequence[dict]) -> list[int]:
+    def encode(self, messages: Sequence[dict], continue_final: bool = False) -> list[int]:
+        """Prompt ids for a reply to `messages`, or (`continue_final`) for the rest of the
+        last one (see `Tokenizer.encode_chat`)."""
         if not messages:
             raise PromptError("the conversation is empty: give at least one message")
         if not any(str(m.get("content", "")).strip() for m in messages):
             raise PromptError("the prompt is empty: write a message first")
-        return self.target.tokenizer.encode_chat(list(messages), add_generation_prompt=True)
+        return self.target.tokenizer.encode_chat(list(messages), add_generation_prompt=True,
+                                                 continue_final=continue_final)
 
     def generate(
         self,
         messages: Sequence[dict],
         options: GenerateOptions | None = None,
         cancel: threading.Event | None = None,
+        continue_final: bool = False,
     ) -> Iterator[PromptProgress | Step | Finished]:
         """Reply to `messages` (role/content dicts), yielding progress, steps, then Finished.
+        `continue_final`: write on from the end of the last message (an assistant reply cut
+        short) instead of starting a new one; the events carry only the new text.
 
         A conversation longer than the context window has its oldest exchanges left out
         (`engine.context_fit`); the reply's stats say how many messages.
         """
         options = options or GenerateOptions()
         window = self.context_window
-        fitted = fit_to_window(messages, self.encode, window,
+        fitted = fit_to_window(messages, lambda m: self.encode(m, continue_final), window,
                                reply_room(window, options.max_tokens))
         return self._start(fitted.ids, options, cancel, fitted.dropped)
 

@@ -6,7 +6,7 @@ must never change after they are built, and they never hold an `mx.array`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 
@@ -22,6 +22,17 @@ class TokenKind(StrEnum):
     @property
     def committed(self) -> bool:
         return self is not TokenKind.REJECTED
+
+
+# what a reply cut mid-character (by its token limit, or Stop) ends with: the text of the
+# character's first bytes (engine.tokenizer.StreamingDetokenizer.flush)
+CUT_MARK = "\ufffd"
+
+
+def without_cut_mark(text: str) -> str:
+    """`text` without the CUT_MARK it may end with: what a continuation of a reply writes
+    on from, since it writes the cut character again whole."""
+    return text.rstrip(CUT_MARK)
 
 
 @dataclass(frozen=True)
@@ -109,6 +120,22 @@ class Stats:
     @property
     def acceptance(self) -> float:
         return self.n_accepted / self.n_drafted if self.n_drafted else 0.0
+
+    def then(self, later: Stats) -> Stats:
+        """The totals of a reply that `later` continued (`ChatSession.generate`'s
+        continue_final): decode counts and times add up; the prompt, the finish and the
+        messages left out are the later run's."""
+        return replace(
+            later,
+            generated_tokens=self.generated_tokens + later.generated_tokens,
+            decode_s=self.decode_s + later.decode_s,
+            target_passes=self.target_passes + later.target_passes,
+            n_drafted=self.n_drafted + later.n_drafted,
+            n_accepted=self.n_accepted + later.n_accepted,
+            draft_s=self.draft_s + later.draft_s,
+            verify_s=self.verify_s + later.verify_s,
+            peak_memory_bytes=max(self.peak_memory_bytes, later.peak_memory_bytes),
+        )
 
     def as_dict(self) -> dict[str, float | int | str | None]:
         """The JSON shape the CLI and bench print (`--json`)."""

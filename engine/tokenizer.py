@@ -26,6 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelFormatError, PromptError, TemplateError
+from engine.events import without_cut_mark
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -279,10 +280,35 @@ class Tokenizer:
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    **variables: Any) -> list[int]:
-        """Prompt ids for a conversation; BOS added only if wanted and not already rendered."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+                    continue_final: bool = False, **variables: Any) -> list[int]:
+        """Prompt ids for a conversation; BOS added only if wanted and not already rendered.
+
+        `continue_final`: the prompt stops right after the last message's text, without the
+        template's end-of-turn, so the model goes on writing that message (a reply cut
+        short by its token limit or by Stop).
+        """
+        if continue_final:
+            text = self._continued(messages, **variables)
+        else:
+            text = self.apply_chat_template(messages, add_generation_prompt, **variables)
         return self._with_bos(self.encode(text, add_special_tokens=False))
+
+    def _continued(self, messages: list[dict[str, Any]], **variables: Any) -> str:
+        """The rendered conversation cut right after the last message's text.
+
+        Templates may trim a message (`| trim`), so the text is found without its trailing
+        whitespace, which is then put back: a reply cut after a newline goes on from there.
+        """
+        messages = [*messages[:-1], {**messages[-1],
+                                     "content": without_cut_mark(messages[-1]["content"])}]
+        rendered = self.apply_chat_template(messages, False, **variables)
+        content = messages[-1]["content"]
+        body = content.rstrip()
+        at = rendered.rfind(body) if body else -1
+        if at < 0:
+            raise PromptError("cannot continue the last message: it is empty, or the chat "
+                              "template does not show its text as written")
+        return rendered[:at + len(body)] + content[len(body):]
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:

@@ -191,15 +191,16 @@ def _session(args: argparse.Namespace):
     return ChatSession(target, draft, head_for_drafter(target, args.drafter))
 
 
-def _stream(session, messages, options, out=sys.stdout) -> Any:
-    """Run one reply, writing text as it arrives; returns (Finished, steps)."""
+def _stream(session, messages, options, out=sys.stdout, continue_final: bool = False) -> Any:
+    """Run one reply (or, `continue_final`, the rest of the last one), writing text as it
+    arrives; returns (Finished, steps)."""
     from engine.events import Finished, Step
 
     finished = None
     steps: list[Step] = []
     # closing(): on Ctrl-C (chat) or a broken pipe the loop's cleanup — trimming the KV
     # cache to what was committed — runs now, not whenever the generator is collected.
-    with closing(session.generate(messages, options)) as events:
+    with closing(session.generate(messages, options, continue_final=continue_final)) as events:
         for ev in events:
             if isinstance(ev, Step):
                 steps.append(ev)
@@ -261,6 +262,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 QUIT_COMMANDS = ("/bye", "/quit", "/exit")
 FENCE = '"""'
 CHAT_HELP = f"""commands:
+  /continue           write on from the end of the last reply (one cut at --max-tokens)
   /reset              start a new conversation (the system prompt stays)
   /bye, /quit, /exit  leave (so does Ctrl-D)
   /help               this list
@@ -306,23 +308,40 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
         if command in ("/help", "/?"):
             print(CHAT_HELP, file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
-        sys.stdout.write("assistant> ")
+        going_on = command == "/continue"
+        if going_on and not (messages and messages[-1]["role"] == "assistant"
+                             and messages[-1]["content"].strip()):
+            print("nothing to continue: no reply yet", file=sys.stderr)
+            continue
+        if going_on:
+            from engine.events import without_cut_mark
+
+            messages[-1] = {"role": "assistant",
+                            "content": without_cut_mark(messages[-1]["content"])}
+            sys.stdout.write("assistant (continued)> " + messages[-1]["content"][-60:])
+        else:
+            messages.append({"role": "user", "content": line})
+            sys.stdout.write("assistant> ")
         try:
-            finished, _ = _stream(session, messages, options)
+            finished, _ = _stream(session, messages, options, continue_final=going_on)
         except EngineError as e:
-            messages.pop()
+            if not going_on:
+                messages.pop()
             print(f"\nerror: {e}", file=sys.stderr)
             continue
         except KeyboardInterrupt:
-            messages.pop()
+            if not going_on:
+                messages.pop()
             print("\n[stopped]", file=sys.stderr)
             continue
         s = finished.stats
         sys.stdout.write("\n")
         print(f"[{s.generated_tokens} tokens · {s.decode_tps:.1f} tok/s · "
               f"{s.tau:.2f} tokens/pass{_dropped(s)}]", file=sys.stderr)
-        messages.append({"role": "assistant", "content": finished.text})
+        if going_on:
+            messages[-1] = {"role": "assistant", "content": messages[-1]["content"] + finished.text}
+        else:
+            messages.append({"role": "assistant", "content": finished.text})
 
 
 def cmd_import_gguf(args: argparse.Namespace) -> int:

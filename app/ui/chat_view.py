@@ -28,7 +28,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.store import FAILED, GENERATING, INTERRUPTED, STOPPED, Message, stats_from_dict
-from app.ui.controller import ChatController, sent_to_model
+from app.ui.controller import ChatController, continuable, sent_to_model
 from app.ui.theme import widget_is_dark
 from app.ui.token_render import (
     COPY_SCHEME,
@@ -119,6 +119,7 @@ class MessageCard(QFrame):
     copy_requested = Signal(int)
     edit_requested = Signal(int)
     regenerate_requested = Signal(int)
+    continue_requested = Signal(int)
 
     def __init__(self, message: Message, view: ChatView) -> None:
         super().__init__()
@@ -143,6 +144,11 @@ class MessageCard(QFrame):
         if message.role == "user":
             header.addWidget(self._action("Edit", "Edit and resend", self.edit_requested))
         else:
+            self.continue_button = self._action(
+                "Continue", "Write on from where this reply was cut short",
+                self.continue_requested)
+            self.continue_button.hide()  # the view shows it on a last reply cut short
+            header.addWidget(self.continue_button)
             self.regenerate_button = self._action("Regenerate", "Generate this reply again",
                                                   self.regenerate_requested)
             header.addWidget(self.regenerate_button)
@@ -174,6 +180,7 @@ class MessageCard(QFrame):
         self.live_stats = stats
 
     def finish(self, message: Message) -> None:
+        """The reply as stored when it ends, or (a continuation starting) when it resumes."""
         self.message = message
         self.steps = list(message.steps)
         self.live_stats = None
@@ -316,6 +323,8 @@ class ChatView(QWidget):
         controller.step_received.connect(self._on_step_received)
         controller.reply_finished.connect(self._on_reply_finished)
         controller.reply_discarded.connect(self._on_reply_discarded)
+        controller.reply_resumed.connect(self._on_reply_finished)
+        controller.generating_changed.connect(lambda _on: self._update_continue())
 
     # -- public --------------------------------------------------------------------------
     def card_for(self, message_id: int) -> MessageCard | None:
@@ -360,6 +369,16 @@ class ChatView(QWidget):
         self._follow = True
         self._update_empty()
         self._place_context_divider()
+        self._update_continue()
+
+    def _update_continue(self) -> None:
+        """Offer Continue on the conversation's last message alone, when it is a reply cut
+        short and nothing is being generated."""
+        busy = self.controller.generating
+        for i, card in enumerate(self.cards):
+            if card.message.role == "assistant":
+                card.continue_button.setVisible(
+                    not busy and i == len(self.cards) - 1 and continuable(card.message))
 
     def _place_context_divider(self) -> None:
         """Put the divider before the first message the newest reply read, when that reply
@@ -386,6 +405,7 @@ class ChatView(QWidget):
         card.copy_requested.connect(self._on_copy_requested)
         card.edit_requested.connect(self._on_edit_requested)
         card.regenerate_requested.connect(self.controller.regenerate)
+        card.continue_requested.connect(self.controller.continue_reply)
         self.column_layout.insertWidget(self.column_layout.count() - 1, card)
         self.cards.append(card)
         return card
@@ -399,6 +419,7 @@ class ChatView(QWidget):
         self._append_card(message)
         self._follow = True
         self._update_empty()
+        self._update_continue()
 
     def _on_step_received(self, message_id: int, step: Step, stats: Stats) -> None:
         card = self.card_for(message_id)
@@ -424,6 +445,7 @@ class ChatView(QWidget):
             self._dirty.discard(message.id)
             card.finish(message)
         self._place_context_divider()
+        self._update_continue()
 
     def _on_reply_discarded(self, message_id: int) -> None:
         card = self.card_for(message_id)
@@ -433,6 +455,7 @@ class ChatView(QWidget):
             card.deleteLater()
         self._update_empty()
         self._place_context_divider()
+        self._update_continue()
 
     def _on_copy_requested(self, message_id: int) -> None:
         card = self.card_for(message_id)

@@ -12,7 +12,15 @@ from dataclasses import dataclass, replace
 
 from PySide6.QtCore import QObject, Signal
 
-from app.store import COMPLETE, FAILED, STOPPED, Message, Store
+from app.store import (
+    COMPLETE,
+    FAILED,
+    INTERRUPTED,
+    STOPPED,
+    Message,
+    Store,
+    stats_from_dict,
+)
 from app.ui.worker import ChatSettings, EngineHost, GenerationRequest, ModelInfo
 from engine.events import Finished, Stats, Step
 
@@ -43,11 +51,30 @@ class _Reply:
     message_id: int | None  # None for the comparison's plain run (not a chat message)
     conversation_id: int
     comparison: bool = False
+    # a continuation: the reply as it stood, whose text and numbers the new run extends
+    earlier: Message | None = None
+
+
+def _earlier_stats(reply: _Reply) -> Stats | None:
+    """The numbers a continued reply had before the run that did not finish (None for a
+    new reply: it has none yet)."""
+    return stats_from_dict(reply.earlier.stats) if reply.earlier is not None else None
 
 
 def title_from(text: str) -> str:
     line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "New chat")
     return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
+
+
+def continuable(message: Message) -> bool:
+    """Whether a reply was cut short (its token limit, Stop, a crash, an error after some
+    text), so Continue may write on from its end."""
+    if message.role != "assistant" or not message.content.strip():
+        return False
+    if message.status in (STOPPED, INTERRUPTED, FAILED):
+        return True
+    stats = stats_from_dict(message.stats)
+    return message.status == COMPLETE and stats is not None and stats.finish_reason == "length"
 
 
 def sent_to_model(message: Message) -> bool:
@@ -64,6 +91,7 @@ class ChatController(QObject):
     step_received = Signal(int, object, object)  # message id, Step, Stats
     reply_finished = Signal(object)  # the final Message as stored
     reply_discarded = Signal(int)  # message id of a reply that failed before its first step
+    reply_resumed = Signal(object)  # the Message a continuation writes on (status generating)
     generating_changed = Signal(bool)
     error_raised = Signal(str)
     settings_changed = Signal(object)  # ChatSettings
@@ -187,7 +215,7 @@ class ChatController(QObject):
         self.stop()
         reply, self._reply = self._reply, None
         if reply is not None and reply.message_id is not None:
-            self.store.finish_reply(reply.message_id, status=STOPPED, stats=None)
+            self.store.finish_reply(reply.message_id, status=STOPPED, stats=_earlier_stats(reply))
 
     def regenerate(self, message_id: int) -> bool:
         """Drop an assistant reply (and anything after it) and generate it again."""
@@ -197,6 +225,30 @@ class ChatController(QObject):
         self.store.delete_messages_from(msg.conversation_id, msg.position)
         self.open_conversation(msg.conversation_id)
         self._start_reply(compare=False)
+        return True
+
+    def continue_reply(self, message_id: int) -> bool:
+        """Write on from the end of the conversation's last reply, when it was cut short
+        (`continuable`): the new text and steps extend the same message."""
+        msg = self.store.message(message_id, with_steps=False)
+        if msg is None or self.generating or not continuable(msg):
+            return False
+        last = self.store.messages(msg.conversation_id, with_steps=False)[-1]
+        if last.id != msg.id:
+            return False
+        if msg.conversation_id != self.conversation_id:
+            self.open_conversation(msg.conversation_id)
+        self.store.resume_reply(msg.id)  # (drops a cut character's mark from its end)
+        resumed = self.store.message(msg.id)
+        assert resumed is not None
+        self.reply_resumed.emit(resumed)
+        request = GenerationRequest(self.host.new_request_id(), self._engine_messages(),
+                                    self.settings, continue_final=True)
+        earlier = replace(msg, content=resumed.content)
+        self._reply = _Reply(request, msg.id, msg.conversation_id, earlier=earlier)
+        self._spec_finished = self._plain_finished = None
+        self.generating_changed.emit(True)
+        self.host.generate(request)
         return True
 
     def edit_and_resend(self, message_id: int, text: str) -> bool:
@@ -287,8 +339,13 @@ class ChatController(QObject):
         else:
             self._reply = None
             cancelled = finished.stats.finish_reason == "cancelled"
+            stats, text = finished.stats, finished.text
+            if reply.earlier is not None:
+                before = stats_from_dict(reply.earlier.stats)
+                stats = before.then(stats) if before is not None else stats
+                text = reply.earlier.content + text
             self.store.finish_reply(reply.message_id, status=STOPPED if cancelled else COMPLETE,
-                                    stats=finished.stats, text=finished.text)
+                                    stats=stats, text=text)
             self.reply_finished.emit(self.store.message(reply.message_id))
             self.conversations_changed.emit()
             if reply.comparison:
@@ -314,9 +371,15 @@ class ChatController(QObject):
         if msg is not None and not msg.steps:
             self.store.delete_messages_from(msg.conversation_id, msg.position)
             self.reply_discarded.emit(reply.message_id)
+        elif (msg is not None and reply.earlier is not None
+              and msg.content == reply.earlier.content):
+            # a continuation that wrote nothing: the reply stays as it was
+            self.store.finish_reply(msg.id, status=reply.earlier.status,
+                                    stats=_earlier_stats(reply), error=reply.earlier.error)
+            self.reply_finished.emit(self.store.message(msg.id))
         else:
             self.store.finish_reply(reply.message_id, status=STOPPED if cancelled else FAILED,
-                                    error=message)
+                                    stats=_earlier_stats(reply), error=message)
             self.reply_finished.emit(self.store.message(reply.message_id))
         if not cancelled:
             self.error_raised.emit(message)

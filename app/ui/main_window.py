@@ -207,6 +207,7 @@ class MainWindow(QMainWindow):
         controller.prompt_progressed.connect(self.gauge.show_prompt_progress)
         controller.step_received.connect(self._on_step_received)
         controller.reply_finished.connect(self._on_reply_finished)
+        controller.reply_resumed.connect(lambda _message: self.gauge.reset())
         controller.conversation_opened.connect(self._on_conversation_opened)
         controller.conversations_changed.connect(self._update_title)
         controller.generating_changed.connect(self._on_generating_changed)
@@ -274,8 +275,11 @@ class MainWindow(QMainWindow):
         self.stop_action = self._action("Stop", self.controller.stop, "Ctrl+.")
         self.stop_action.setEnabled(False)
         self.regenerate_action = self._action("Regenerate Last Reply", self.regenerate_last, "Ctrl+R")
+        self.continue_action = self._action("Continue Last Reply", self.continue_last,
+                                            "Ctrl+Shift+R")
         chat_menu.addAction(self.stop_action)
         chat_menu.addAction(self.regenerate_action)
+        chat_menu.addAction(self.continue_action)
         chat_menu.addSeparator()
         chat_menu.addAction(self._action("Rename Chat…", self._rename_current))
         self.train_action = self._action("Train a Drafter for This Model…",
@@ -458,6 +462,12 @@ class MainWindow(QMainWindow):
         if replies:
             self.controller.regenerate(replies[-1].id)
 
+    def continue_last(self) -> None:
+        """Write on from the end of the last reply, if it was cut short (else nothing)."""
+        messages = self.controller.messages()
+        if messages:
+            self.controller.continue_reply(messages[-1].id)
+
     def export_conversation(self, conversation_id: int | None = None,
                             path: Path | str | None = None) -> Path | None:
         """Write a conversation as Markdown to `path` (asks for one when not given)."""
@@ -533,6 +543,7 @@ class MainWindow(QMainWindow):
     def _on_generating_changed(self, generating: bool) -> None:
         self.stop_action.setEnabled(generating)
         self.regenerate_action.setEnabled(not generating)
+        self.continue_action.setEnabled(not generating)
         if not generating:
             self.load_progress.hide()
 

@@ -251,6 +251,8 @@ def footer_text(stats: Stats) -> str:
     if stats.n_drafted:
         parts.append(f"{stats.acceptance:.0%} accepted")
     parts.append(f"{stats.tau:.1f} tokens/pass")
+    if stats.finish_reason == "length":
+        parts.append("stopped at the token limit")
     if stats.dropped_messages:
         parts.append(dropped_note(stats.dropped_messages))
     return " · ".join(parts)

@@ -134,6 +134,7 @@ class GenerationRequest:
     settings: ChatSettings
     cancel: threading.Event = field(default_factory=threading.Event)
     plain: bool = False  # the comparison's plain-decoding run
+    continue_final: bool = False  # write on from the end of the last (assistant) message
 
 
 @dataclass(frozen=True)
@@ -372,7 +373,8 @@ class EngineWorker(QObject):
             session = self._chat_session(request.settings, request.plain)
             options = request.settings.to_options(plain=request.plain)
             self.generation_started.emit(rid)
-            events = session.generate(list(request.messages), options, request.cancel)
+            events = session.generate(list(request.messages), options, request.cancel,
+                                      continue_final=request.continue_final)
             finished = None
             try:
                 for event in events:

@@ -261,6 +261,25 @@ def test_chat_keeps_the_conversation(tiny: Path, tmp_path: Path,
         convo.append({"role": "assistant", "content": answer})
 
 
+def test_chat_continue_finishes_a_reply_cut_at_max_tokens(chain: Path, tmp_path: Path) -> None:
+    """The chain model's reply cut at 4 tokens; /continue writes the rest, so the two parts
+    make the whole reply (the echo of where it goes on from, then the new text). /continue
+    with no reply yet says so and asks again."""
+    proc = cli("chat", "--model", str(chain), "--max-tokens", "4", data_dir=tmp_path,
+               stdin="/continue\nHi\n" + "/continue\n" * 3 + "/bye\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing to continue" in proc.stderr
+    first = proc.stdout.split("assistant> ")[1].partition("\nyou> ")[0]
+    # each continuation echoes the reply so far (all of it: under 60 characters), then
+    # writes on; 4 tokens cut 🦊 (4 byte tokens) in two, so its cut mark went
+    parts = [p.partition("\nyou> ")[0]
+             for p in proc.stdout.split("assistant (continued)> ")[1:]]
+    assert first == "Hé\ufffd" and parts[:2] == ["Hé🦊", "Hé🦊 fox"]
+    assert parts[2] == CHAIN_TEXT  # "!", then eos
+    stats = [ln.split(" · ")[0] for ln in proc.stderr.splitlines() if ln.startswith("[")]
+    assert stats == ["[4 tokens", "[4 tokens", "[4 tokens", "[1 tokens"]
+
+
 def test_chat_goes_on_past_the_context_window(tiny: Path, tmp_path: Path) -> None:
     """The model's window cut to 512 tokens: twelve turns of ~160 tokens each all get a
     reply, the later ones saying how many early messages they left out."""

@@ -307,6 +307,60 @@ def test_a_chat_past_the_context_window_keeps_answering(qtbot, make_gui, tiny_pa
     gui.window.grab().save(str(screenshots_dir / "context_window_note.png"))
 
 
+def test_continue_writes_on_from_a_reply_cut_at_its_limit(qtbot, make_gui, tiny_pair,
+                                                          screenshots_dir) -> None:
+    """A reply that stopped at max tokens offers Continue; clicking it grows the same
+    message (text, steps, numbers) by another max tokens. Only the last reply offers it."""
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=8))
+    gui.controller.send("Write code")  # the tiny model's reply has text, not just newlines
+    wait_idle(qtbot, gui)
+    card = gui.window.chat_view.cards[-1]
+    [_, first] = gui.store.messages(gui.controller.conversation_id)
+    assert stats_from_dict(first.stats).finish_reason == "length"
+    assert card.continue_button.isVisibleTo(gui.window)
+    gui.window.resize(900, 640)
+    gui.window.grab().save(str(screenshots_dir / "continue_button.png"))
+
+    qtbot.mouseClick(card.continue_button, Qt.MouseButton.LeftButton)
+    assert not card.continue_button.isVisibleTo(gui.window)  # while it writes
+    wait_idle(qtbot, gui)
+    [_, grown] = gui.store.messages(gui.controller.conversation_id)
+    assert grown.id == first.id and grown.status == COMPLETE
+    assert grown.content.startswith(first.content) and len(grown.content) > len(first.content)
+    assert len(grown.steps) == 16 and stats_from_dict(grown.stats).generated_tokens == 16
+    assert card.document().toPlainText() == grown.content
+    assert card.footer.text().split(" · ")[1] == "16 tokens"
+    assert card.continue_button.isVisibleTo(gui.window)  # cut at its limit again
+
+    gui.controller.send("And then?")
+    wait_idle(qtbot, gui)
+    assert not card.continue_button.isVisibleTo(gui.window)  # no longer the last reply
+    assert not gui.controller.continue_reply(first.id)
+    assert gui.window.chat_view.cards[-1].continue_button.isVisibleTo(gui.window)
+
+
+def test_continue_writes_a_character_its_limit_cut_in_two_whole(qtbot, make_gui,
+                                                                 tmp_path) -> None:
+    """The chain model's reply at 4 tokens a turn: the first cut leaves 🦊 half written
+    (shown as U+FFFD); three Continues write the reply whole, the card as the store."""
+    from tests.engine.test_decode import CHAIN_TEXT, write_chain_model
+
+    chain = write_chain_model(tmp_path / "chain")
+    gui = make_gui(plain_settings(chain, max_tokens=4))
+    gui.controller.send("Hi")
+    wait_idle(qtbot, gui)
+    card = gui.window.chat_view.cards[-1]
+    assert card.document().toPlainText() == "Hé\ufffd"
+    for _ in range(3):
+        assert gui.controller.continue_reply(card.message_id)
+        wait_idle(qtbot, gui)
+    [_, reply] = gui.store.messages(gui.controller.conversation_id)
+    assert reply.content == CHAIN_TEXT == card.document().toPlainText()
+    stats = stats_from_dict(reply.stats)
+    assert stats.generated_tokens == 13 and stats.finish_reason == "eos"
+    assert not card.continue_button.isVisibleTo(gui.window)  # it ended at eos
+
+
 def test_missing_model_shows_banner(qtbot, make_gui, tmp_path) -> None:
     gui = make_gui(plain_settings(tmp_path / "no-such-model"))
     qtbot.waitUntil(lambda: gui.window.banner.isVisible(), timeout=TIMEOUT)

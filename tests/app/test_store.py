@@ -120,6 +120,30 @@ def test_unfinished_reply_reopens_interrupted(tmp_path: Path) -> None:
     assert msg.content == "a0 r0a1 r1" and len(msg.steps) == 2
 
 
+def test_a_resumed_reply_loses_its_cut_mark_and_keeps_its_steps(tmp_path: Path) -> None:
+    """A reply its token limit cut mid-character ends with U+FFFD; Continue writes that
+    character whole, so resuming drops the mark from the text and the last step."""
+    store = Store(tmp_path / "h.sqlite3")
+    conv = store.create_conversation()
+    store.add_message(conv.id, "user", "emoji please")
+    reply = store.begin_reply(conv.id, model="demo", settings={})
+    store.append_step(reply.id, spec_step(0))
+    cut = Step((Token(7, "ok ", TokenKind.TARGET), Token(8, "\ufffd", TokenKind.TARGET)))
+    store.append_step(reply.id, cut)
+    store.finish_reply(reply.id, status=COMPLETE, stats=Stats(finish_reason="length"))
+    assert store.message(reply.id).content == "a0 r0ok \ufffd"
+
+    store.resume_reply(reply.id)
+    resumed = store.message(reply.id)
+    assert resumed.status == GENERATING and resumed.content == "a0 r0ok "
+    assert resumed.steps[0] == spec_step(0)
+    assert [t.text for t in resumed.steps[1].tokens] == ["ok ", ""]
+    # a reply with no cut mark resumes untouched
+    store.finish_reply(reply.id, status=COMPLETE, text="a0 r0ok ")
+    store.resume_reply(reply.id)
+    assert store.message(reply.id).content == "a0 r0ok "
+
+
 def test_search_rename_delete_and_truncate(tmp_path: Path) -> None:
     store = Store(tmp_path / "h.sqlite3")
     a = store.create_conversation("Python tips")

@@ -104,9 +104,11 @@ def test_footer_text() -> None:
     assert footer_text(stats) == "42.1 tok/s · 212 tokens · 81% accepted · 3.4 tokens/pass"
     plain = Stats(generated_tokens=10, decode_s=2.0, target_passes=10)
     assert footer_text(plain) == "5.0 tok/s · 10 tokens · 1.0 tokens/pass"
-    cut = Stats(generated_tokens=10, decode_s=2.0, target_passes=10, dropped_messages=4)
-    assert footer_text(cut) == ("5.0 tok/s · 10 tokens · 1.0 tokens/pass · 4 earliest "
-                                "messages left out to fit the context window")
+    cut = Stats(generated_tokens=10, decode_s=2.0, target_passes=10, dropped_messages=4,
+                finish_reason="length")
+    assert footer_text(cut) == ("5.0 tok/s · 10 tokens · 1.0 tokens/pass · stopped at the "
+                                "token limit · 4 earliest messages left out to fit the "
+                                "context window")
 
 
 def test_rate_tracker_never_reports_a_burst() -> None:

@@ -64,6 +64,26 @@ def test_renders_template_with_and_without_generation_prompt(tmp_path: Path) -> 
     assert tok.decode(ids) == tok.apply_chat_template(HELLO)
 
 
+def test_continue_final_stops_inside_the_last_message(tmp_path: Path) -> None:
+    """A reply cut short is continued: the prompt ends right after its text, without the
+    end of turn, and a trailing newline a trimming template drops is put back."""
+    cut = [*HELLO, {"role": "assistant", "content": "The answer is\n"}]
+    tok = load(tmp_path)
+    assert tok.decode(tok.encode_chat(cut, continue_final=True)) == (
+        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\nThe answer is\n")
+    trimming = CHAT.replace("{{ m['content'] }}", "{{ m['content'] | trim }}")
+    tok = load(tmp_path / "trim", template=trimming)
+    assert tok.apply_chat_template(cut, False).endswith("The answer is<|im_end|>\n")
+    assert tok.decode(tok.encode_chat(cut, continue_final=True)).endswith(
+        "<|im_start|>assistant\nThe answer is\n")
+    # nothing to continue from: an empty reply, or a template that never shows it
+    with pytest.raises(PromptError, match="cannot continue"):
+        tok.encode_chat([*HELLO, {"role": "assistant", "content": " "}], continue_final=True)
+    hidden = load(tmp_path / "hidden", template="{{ messages[0]['content'] }}")
+    with pytest.raises(PromptError, match="cannot continue"):
+        hidden.encode_chat(cut, continue_final=True)
+
+
 def test_trim_blocks_like_hf(tmp_path: Path) -> None:
     template = ("{% for m in messages %}\n    {% if m['role'] == 'user' %}\n"
                 "[{{ m['content'] }}]\n    {% endif %}\n{% endfor %}")
