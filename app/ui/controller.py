@@ -341,7 +341,7 @@ class ChatController(QObject):
             cancelled = finished.stats.finish_reason == "cancelled"
             stats, text = finished.stats, finished.text
             if reply.earlier is not None:
-                before = stats_from_dict(reply.earlier.stats)
+                before = _earlier_stats(reply)
                 stats = before.then(stats) if before is not None else stats
                 text = reply.earlier.content + text
             self.store.finish_reply(reply.message_id, status=STOPPED if cancelled else COMPLETE,
