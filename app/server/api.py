@@ -230,7 +230,8 @@ def _encode(card: ModelCard, req: GenerationRequest) -> list[int]:
     if req.messages is not None:
         if not any(m["content"].strip() for m in req.messages):
             raise PromptError("messages: every message is empty")
-        return tok.encode_chat(list(req.messages), add_generation_prompt=True)
+        return tok.encode_chat(list(req.messages), add_generation_prompt=True,
+                               continue_final=req.continue_final)
     assert req.prompt is not None
     ids = tok.encode(req.prompt, add_special_tokens=True)
     if not ids:

@@ -10,7 +10,7 @@ the size limit; 404 for an unknown model. Fields OpenAI defines that change noth
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
@@ -96,6 +96,9 @@ class _Common(_Strict):
 class ChatBody(_Common):
     messages: Annotated[list[Message], Field(min_length=1)]
     max_completion_tokens: MaxTokens = None
+    # extension (vLLM's name): write on from the end of the last message, an assistant
+    # reply cut short, instead of starting a new one
+    continue_final_message: StrictBool | None = False
 
 
 class CompletionBody(_Common):
@@ -138,6 +141,7 @@ class GenerationRequest:
     include_usage: bool
     drafter: str | None  # None: the server's default
     draft_k: int | None = None  # None: the policy chooses each step's draft length
+    continue_final: bool = False  # chat: the reply continues the last (assistant) message
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -214,7 +218,13 @@ def parse_chat(data: dict[str, Any]) -> GenerationRequest:
     messages = tuple({"role": "system" if m.role == "developer" else m.role,
                       "content": m.text()} for m in body.messages)
     max_tokens = body.max_completion_tokens or body.max_tokens
-    return _common(body, "chat", max_tokens, messages, None)
+    request = _common(body, "chat", max_tokens, messages, None)
+    if not body.continue_final_message:
+        return request
+    if messages[-1]["role"] != "assistant":
+        raise ApiError(400, "continue_final_message: the last message must be an assistant "
+                       "reply to continue", param="continue_final_message")
+    return replace(request, continue_final=True)
 
 
 def parse_completion(data: dict[str, Any]) -> GenerationRequest:

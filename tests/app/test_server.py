@@ -366,6 +366,8 @@ BAD_INPUT = [
     ("tools refused", "/v1/chat/completions",
      _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("n > 1 refused", "/v1/chat/completions", _chat(n=2), 400, "n"),
+    ("continuing a user message", "/v1/chat/completions",
+     _chat(continue_final_message=True), 400, "continue_final_message"),
     ("logprobs refused", "/v1/chat/completions", _chat(logprobs=True), 400, "logprobs"),
     ("unknown model", "/v1/chat/completions", _chat(model="gpt-9"), 404, "model"),
     ("prompt longer than context", "/v1/chat/completions",

@@ -88,3 +88,21 @@ def test_code_edit_speculative_equals_plain(demo_server) -> None:
     plain, spec = run("none"), run("ngram")
     assert spec.choices[0].message.content == plain.choices[0].message.content
     assert ext(spec)["accepted"] > 0 and ext(plain)["drafted"] == 0
+
+
+def test_a_reply_cut_short_is_continued_as_one_written_whole(demo_server) -> None:
+    """`continue_final_message` (vLLM's extension): a reply cut at 20 tokens and continued
+    for 20 more reads as the same reply written to 40 at once."""
+    server, model = demo_server
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
+    question = [{"role": "user", "content": "Tell me about octopuses."}]
+
+    def reply(messages: list[dict], n: int, **extra) -> str:
+        out = client.chat.completions.create(model=model, messages=messages, max_tokens=n,
+                                             temperature=0, extra_body=extra or None)
+        return out.choices[0].message.content
+
+    whole, half = reply(question, 40), reply(question, 20)
+    cut = [*question, {"role": "assistant", "content": half}]
+    assert half + reply(cut, 20, continue_final_message=True) == whole
+    assert half + reply(cut, 20) != whole  # negative control: a new reply after it
