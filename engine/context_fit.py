@@ -24,9 +24,11 @@ from engine.errors import PromptError
 
 @dataclass(frozen=True)
 class FittedPrompt:
-    """The prompt's token ids, and how many messages were left out to fit the window."""
+    """The prompt's token ids, the messages they encode, and how many messages were left
+    out (after a leading system prompt) to fit the window."""
 
     ids: list[int]
+    messages: tuple[dict, ...]
     dropped: int = 0
 
 
@@ -48,14 +50,17 @@ def fit_to_window(messages: Sequence[dict], encode: Callable[[Sequence[dict]], l
     ids = encode(messages)
     need = len(ids) + room - window
     if need <= 0:
-        return FittedPrompt(ids)
+        return FittedPrompt(ids, tuple(messages))
     pinned = 1 if messages and messages[0].get("role") == "system" else 0
     # where a kept part may start: at a user message, the newest one at the latest
     starts = [i for i in range(pinned, len(messages)) if messages[i].get("role") == "user"]
     starts = starts or [len(messages) - 1]
 
+    def kept(j: int) -> tuple[dict, ...]:
+        return (*messages[:pinned], *messages[starts[j]:])
+
     def cut_at(j: int) -> list[int]:
-        return encode([*messages[:pinned], *messages[starts[j]:]])
+        return encode(kept(j))
 
     step = max(1, window // 4 if step is None else step)
     for wanted in (-(-need // step) * step, need):
@@ -63,19 +68,19 @@ def fit_to_window(messages: Sequence[dict], encode: Callable[[Sequence[dict]], l
         lo, hi, best = 0, len(starts) - 1, None
         while lo <= hi:
             mid = (lo + hi) // 2
-            kept = cut_at(mid)
-            if len(ids) - len(kept) >= wanted:
-                best, hi = (mid, kept), mid - 1
+            kept_ids = cut_at(mid)
+            if len(ids) - len(kept_ids) >= wanted:
+                best, hi = (mid, kept_ids), mid - 1
             else:
                 lo = mid + 1
         if best is not None:
-            j, kept = best
-            return FittedPrompt(kept, starts[j] - pinned)
+            j, kept_ids = best
+            return FittedPrompt(kept_ids, kept(j), starts[j] - pinned)
     # not even the newest exchange leaves the reply its room: it gets what is left
     j = len(starts) - 1
     last = cut_at(j) if starts[j] > pinned else ids
     if len(last) < window:
-        return FittedPrompt(last, starts[j] - pinned)
+        return FittedPrompt(last, kept(j), starts[j] - pinned)
     raise PromptError(
         f"the last message is {len(last)} tokens long with the chat template"
         f"{' and the system prompt' if pinned else ''}, but the model's context window "

@@ -26,7 +26,8 @@ import mlx.core as mx
 import numpy as np
 
 from engine.cache import make_caches
-from engine.errors import EngineError, TrainingDataError
+from engine.context_fit import fit_to_window, reply_room
+from engine.errors import EngineError, PromptError, TrainingDataError
 from engine.tokenizer import check_messages
 from engine.training.open_files import allow_open_files, too_many_open
 from kernels.compile import compiled_on_main_thread
@@ -262,11 +263,27 @@ def generate_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[i
 
 def read_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[int], *,
                  top_k: int = TOP_K) -> list[Sample]:
-    """Conversations that end with an assistant turn, read teacher-forced (one pass each)."""
+    """Conversations that end with an assistant turn, read teacher-forced (one pass each).
+
+    A conversation longer than the context window is read as the model read it when it
+    replied: its oldest exchanges left out (`engine.context_fit`). Read whole, a long chat
+    would run past the positions the model knows, and each of its turns would cost a pass
+    over everything before it.
+    """
+    window = int(model.args.max_position_embeddings)
     out = []
     for it in items:
-        full = tokenizer.encode_chat(list(it.messages), add_generation_prompt=False)
-        prompt = tokenizer.encode_chat(list(it.messages[:-1]), add_generation_prompt=True)
+        *context, reply = it.messages
+        room = reply_room(window, len(tokenizer.encode(reply["content"])) + 2)
+        try:
+            fitted = fit_to_window(
+                context, lambda m: tokenizer.encode_chat(list(m), add_generation_prompt=True),
+                window, room)
+        except PromptError:
+            continue  # its last user message alone fills the window: nothing to learn here
+        prompt = fitted.ids
+        full = tokenizer.encode_chat([*fitted.messages, reply],
+                                     add_generation_prompt=False)[:window]
         if len(full) < 2:
             continue
         caches = make_caches(model.n_layers)

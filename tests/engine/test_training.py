@@ -190,6 +190,33 @@ def test_history_is_read_teacher_forced(target: LoadedModel) -> None:
         history_items([[{"role": "user", "content": "hi"}]])
 
 
+def test_a_chat_longer_than_the_window_is_read_as_the_model_read_it(
+        target: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten exchanges of ~400 tokens against the tiny model's 2,048-token window: each turn
+    is read with its oldest exchanges left out, as the reply was written, so no pass runs
+    past the window (read whole, the last turn alone would be ~4,100 positions)."""
+    import engine.training.data as data
+
+    conv = []
+    for i in range(10):
+        conv += [{"role": "user", "content": f"question {i}: " + "tell me more " * 20},
+                 {"role": "assistant", "content": f"answer {i}: " + "here is more " * 20}]
+    window = target.model.args.max_position_embeddings
+    assert len(target.tokenizer.encode_chat(conv, add_generation_prompt=False)) > 2 * window
+    read_lengths: list[int] = []
+    real = data.read_positions
+
+    def read_positions(model, grid, *args, **kwargs):
+        read_lengths.append(grid.shape[1])
+        return real(model, grid, *args, **kwargs)
+
+    monkeypatch.setattr(data, "read_positions", read_positions)
+    samples = read_samples(target.model, target.tokenizer, history_items([conv]), LAYERS)
+    assert len(samples) == 10 and max(read_lengths) < window
+    reply = target.tokenizer.encode(conv[-1]["content"])
+    assert samples[-1].tokens.tolist()[1:len(reply) + 1] == reply  # the last reply, whole
+
+
 def test_data_file_errors_name_the_line(tmp_path: Path) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "hi"}\n{"nope": 1}\n')
