@@ -227,6 +227,14 @@ class ChatController(QObject):
         self._start_reply(compare=False)
         return True
 
+    def last_continuable(self) -> int | None:
+        """The id of the conversation's last message when Continue may write on from it
+        (a reply cut short, nothing generating), else None."""
+        if self.generating or self.conversation_id is None:
+            return None
+        messages = self.store.messages(self.conversation_id, with_steps=False)
+        return messages[-1].id if messages and continuable(messages[-1]) else None
+
     def continue_reply(self, message_id: int) -> bool:
         """Write on from the end of the conversation's last reply, when it was cut short
         (`continuable`): the new text and steps extend the same message."""

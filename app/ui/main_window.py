@@ -208,6 +208,9 @@ class MainWindow(QMainWindow):
         controller.step_received.connect(self._on_step_received)
         controller.reply_finished.connect(self._on_reply_finished)
         controller.reply_resumed.connect(lambda _message: self.gauge.reset())
+        for signal in (controller.reply_finished, controller.message_added,
+                       controller.conversation_opened):
+            signal.connect(lambda *_: self._update_continue_action())
         controller.conversation_opened.connect(self._on_conversation_opened)
         controller.conversations_changed.connect(self._update_title)
         controller.generating_changed.connect(self._on_generating_changed)
@@ -280,6 +283,7 @@ class MainWindow(QMainWindow):
         chat_menu.addAction(self.stop_action)
         chat_menu.addAction(self.regenerate_action)
         chat_menu.addAction(self.continue_action)
+        self.continue_action.setEnabled(False)  # until the last reply is one cut short
         chat_menu.addSeparator()
         chat_menu.addAction(self._action("Rename Chat…", self._rename_current))
         self.train_action = self._action("Train a Drafter for This Model…",
@@ -464,9 +468,12 @@ class MainWindow(QMainWindow):
 
     def continue_last(self) -> None:
         """Write on from the end of the last reply, if it was cut short (else nothing)."""
-        messages = self.controller.messages()
-        if messages:
-            self.controller.continue_reply(messages[-1].id)
+        last = self.controller.last_continuable()
+        if last is not None:
+            self.controller.continue_reply(last)
+
+    def _update_continue_action(self) -> None:
+        self.continue_action.setEnabled(self.controller.last_continuable() is not None)
 
     def export_conversation(self, conversation_id: int | None = None,
                             path: Path | str | None = None) -> Path | None:
@@ -543,7 +550,7 @@ class MainWindow(QMainWindow):
     def _on_generating_changed(self, generating: bool) -> None:
         self.stop_action.setEnabled(generating)
         self.regenerate_action.setEnabled(not generating)
-        self.continue_action.setEnabled(not generating)
+        self._update_continue_action()
         if not generating:
             self.load_progress.hide()
 

@@ -318,6 +318,7 @@ def test_continue_writes_on_from_a_reply_cut_at_its_limit(qtbot, make_gui, tiny_
     [_, first] = gui.store.messages(gui.controller.conversation_id)
     assert stats_from_dict(first.stats).finish_reason == "length"
     assert card.continue_button.isVisibleTo(gui.window)
+    assert gui.window.continue_action.isEnabled()
     gui.window.resize(900, 640)
     gui.window.grab().save(str(screenshots_dir / "continue_button.png"))
 
@@ -337,6 +338,13 @@ def test_continue_writes_on_from_a_reply_cut_at_its_limit(qtbot, make_gui, tiny_
     assert not card.continue_button.isVisibleTo(gui.window)  # no longer the last reply
     assert not gui.controller.continue_reply(first.id)
     assert gui.window.chat_view.cards[-1].continue_button.isVisibleTo(gui.window)
+    # the menu item continues the last reply, and greys out when there is none to continue
+    gui.window.continue_action.trigger()
+    wait_idle(qtbot, gui)
+    last = gui.store.messages(gui.controller.conversation_id)[-1]
+    assert stats_from_dict(last.stats).generated_tokens == 16
+    gui.controller.new_conversation()
+    assert not gui.window.continue_action.isEnabled()
 
 
 def test_continue_writes_a_character_its_limit_cut_in_two_whole(qtbot, make_gui,
