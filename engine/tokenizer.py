@@ -299,6 +299,7 @@ class Tokenizer:
         Templates may trim a message (`| trim`), so the text is found without its trailing
         whitespace, which is then put back: a reply cut after a newline goes on from there.
         """
+        check_messages(messages)
         messages = [*messages[:-1], {**messages[-1],
                                      "content": without_cut_mark(messages[-1]["content"])}]
         rendered = self.apply_chat_template(messages, False, **variables)
