@@ -18,7 +18,7 @@ from app.store import COMPLETE, STOPPED, stats_from_dict
 from app.ui.theme import is_dark
 from app.ui.token_render import KIND_STYLES
 from app.ui.worker import ChatSettings
-from engine.events import Step, TokenKind
+from engine.events import Step, TokenKind, without_cut_mark
 from engine.tuning import K_MAX
 
 TIMEOUT = 60_000
@@ -211,7 +211,10 @@ def test_stop_mid_reply_leaves_consistent_conversation(qtbot, make_gui, tiny_pai
     gui.controller.send("Count forever")
     cancel_events.append(gui.controller.current_request.cancel)
     card = gui.window.chat_view.cards[-1]
-    qtbot.waitUntil(lambda: len(card.steps) >= 3, timeout=TIMEOUT)
+    # (stopped once it has written some text, not just the newlines it starts with, so
+    # that Continue has something to write on from)
+    qtbot.waitUntil(lambda: len(card.steps) >= 3 and bool(card.text().strip()),
+                    timeout=TIMEOUT)
     qtbot.mouseClick(gui.window.composer.stop_button, Qt.MouseButton.LeftButton)
     wait_idle(qtbot, gui)
 
@@ -226,12 +229,25 @@ def test_stop_mid_reply_leaves_consistent_conversation(qtbot, make_gui, tiny_pai
     assert card.document().toPlainText() == reply.content
     assert "stopped" in card.footer.text()
 
-    # the conversation goes on
+    # a stopped reply can be continued: the same message grows, its numbers add up
+    assert card.continue_button.isVisibleTo(gui.window)
     gui.controller.set_settings(plain_settings(tiny_pair[0], max_tokens=4))
+    assert gui.controller.continue_reply(reply.id)
+    wait_idle(qtbot, gui)
+    [_, grown] = gui.store.messages(gui.controller.conversation_id)
+    assert grown.id == reply.id and grown.status == COMPLETE
+    # (the random model writes invalid bytes too: shown as U+FFFD, which a cut character
+    # leaves at the end, and which resuming drops)
+    assert grown.content.startswith(without_cut_mark(reply.content))
+    assert len(grown.steps) == len(reply.steps) + 4
+    assert stats_from_dict(grown.stats).generated_tokens == stats.generated_tokens + 4
+    assert card.document().toPlainText() == grown.content
+
+    # the conversation goes on
     assert gui.controller.send("Go on")
     wait_idle(qtbot, gui)
     roles = [(m.role, m.status) for m in gui.store.messages(gui.controller.conversation_id)]
-    assert roles == [("user", COMPLETE), ("assistant", STOPPED), ("user", COMPLETE),
+    assert roles == [("user", COMPLETE), ("assistant", COMPLETE), ("user", COMPLETE),
                      ("assistant", COMPLETE)]
 
 
