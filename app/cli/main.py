@@ -191,13 +191,15 @@ def _session(args: argparse.Namespace):
     return ChatSession(target, draft, head_for_drafter(target, args.drafter))
 
 
-def _stream(session, messages, options, out=sys.stdout, continue_final: bool = False) -> Any:
+def _stream(session, messages, options, out=sys.stdout, continue_final: bool = False,
+            steps: list | None = None) -> Any:
     """Run one reply (or, `continue_final`, the rest of the last one), writing text as it
-    arrives; returns (Finished, steps)."""
+    arrives; returns (Finished, steps). `steps` collects them as they come, so a caller
+    stopped by Ctrl-C still has what was written."""
     from engine.events import Finished, Step
 
     finished = None
-    steps: list[Step] = []
+    steps = [] if steps is None else steps
     # closing(): on Ctrl-C (chat) or a broken pipe the loop's cleanup — trimming the KV
     # cache to what was committed — runs now, not whenever the generator is collected.
     with closing(session.generate(messages, options, continue_final=continue_final)) as events:
@@ -268,7 +270,7 @@ CHAT_HELP = f"""commands:
   /help               this list
   {FENCE}                 on a line of its own, starts a message of several lines (pasted
                       code, blank lines and all); another {FENCE} line ends it
-Ctrl-C stops a reply as it is written."""
+Ctrl-C stops a reply as it is written; what it wrote stays (/continue goes on from it)."""
 
 
 def _read_message() -> str:
@@ -322,17 +324,27 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
         else:
             messages.append({"role": "user", "content": line})
             sys.stdout.write("assistant> ")
+        written: list = []
         try:
-            finished, _ = _stream(session, messages, options, continue_final=going_on)
+            finished, _ = _stream(session, messages, options, continue_final=going_on,
+                                  steps=written)
         except EngineError as e:
             if not going_on:
                 messages.pop()
             print(f"\nerror: {e}", file=sys.stderr)
             continue
         except KeyboardInterrupt:
-            if not going_on:
+            # what was written stays, as Stop keeps it in the app: /continue goes on from it
+            partial = "".join(step.text for step in written)
+            if going_on:
+                messages[-1] = {"role": "assistant",
+                                "content": messages[-1]["content"] + partial}
+            elif partial.strip():
+                messages.append({"role": "assistant", "content": partial})
+            else:
                 messages.pop()
-            print("\n[stopped]", file=sys.stderr)
+            print("\n[stopped: /continue goes on from here]" if partial.strip() else
+                  "\n[stopped]", file=sys.stderr)
             continue
         s = finished.stats
         sys.stdout.write("\n")

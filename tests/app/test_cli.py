@@ -11,6 +11,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import main
+from engine.events import without_cut_mark
 from engine.tokenizer import Tokenizer
 from tests.engine.test_decode import CHAIN_TEXT, write_chain_model
 from tests.fixtures.tiny_models import write_tiny_model
@@ -278,6 +280,37 @@ def test_chat_continue_finishes_a_reply_cut_at_max_tokens(chain: Path, tmp_path:
     assert parts[2] == CHAIN_TEXT  # "!", then eos
     stats = [ln.split(" · ")[0] for ln in proc.stderr.splitlines() if ln.startswith("[")]
     assert stats == ["[4 tokens", "[4 tokens", "[4 tokens", "[1 tokens"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT as Ctrl-C")
+def test_chat_ctrl_c_keeps_what_was_written_for_continue(tiny: Path, tmp_path: Path) -> None:
+    """Ctrl-C mid-reply keeps the text written so far, as Stop does in the app, so
+    /continue goes on from it (the tiny model writes newlines, then F after F)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "chat", "--model", str(tiny), "--max-tokens", "1500"],
+        cwd=REPO, env={**os.environ, "UNDERSTUDY_DATA_DIR": str(tmp_path)},
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"Count forever\n")
+    proc.stdin.flush()
+    seen = b""
+    deadline = time.monotonic() + 120
+    while b"FFF" not in seen and time.monotonic() < deadline:
+        seen += os.read(proc.stdout.fileno(), 1)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(b"/continue\n/bye\n", timeout=120)
+    out, err = (seen + out).decode(), err.decode()
+    assert proc.returncode == 0, err
+    assert "[stopped: /continue goes on from here]" in err and "Traceback" not in err
+    # stdout: "assistant> " the stopped text "you> assistant (continued)> " its last 60
+    # characters echoed, then the new text
+    stopped = out.split("assistant> ")[1].split("you> ")[0]
+    assert "FFF" in stopped
+    continued = out.split("assistant (continued)> ")[1]
+    assert continued.startswith(without_cut_mark(stopped)[-60:])
+    assert len(continued.partition("\nyou> ")[0]) > 60  # and it wrote on
+    last = [ln for ln in err.splitlines() if ln.startswith("[")][-1]
+    assert int(last[1:].split(" tokens")[0]) > 0  # the continuation's stats line
 
 
 def test_chat_goes_on_past_the_context_window(tiny: Path, tmp_path: Path) -> None:
