@@ -191,11 +191,11 @@ def _session(args: argparse.Namespace):
     return ChatSession(target, draft, head_for_drafter(target, args.drafter))
 
 
-def _stream(session, messages, options, out=sys.stdout, continue_final: bool = False,
+def _stream(session, messages, options, out: Any = None, continue_final: bool = False,
             steps: list | None = None) -> Any:
-    """Run one reply (or, `continue_final`, the rest of the last one), writing text as it
-    arrives; returns (Finished, steps). `steps` collects them as they come, so a caller
-    stopped by Ctrl-C still has what was written."""
+    """Run one reply (or, `continue_final`, the rest of the last one), writing text to
+    `out` as it arrives (None: nowhere); returns (Finished, steps). `steps` collects them
+    as they come, so a caller stopped by Ctrl-C still has what was written."""
     from engine.events import Finished, Step
 
     finished = None
@@ -326,8 +326,8 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
             sys.stdout.write("assistant> ")
         written: list = []
         try:
-            finished, _ = _stream(session, messages, options, continue_final=going_on,
-                                  steps=written)
+            finished, _ = _stream(session, messages, options, sys.stdout,
+                                  continue_final=going_on, steps=written)
         except EngineError as e:
             if not going_on:
                 messages.pop()
