@@ -26,7 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelFormatError, PromptError, TemplateError
-from engine.events import without_cut_mark
+from engine.events import CUT_MARK, without_cut_mark
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -105,7 +105,7 @@ class StreamingDetokenizer:
         """Take one id; return the text it completes (often "", e.g. mid-character)."""
         self._ids.append(int(token_id))
         text = self._decode(self._ids)
-        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
+        if len(text) <= len(self._prefix_text) or text.endswith(CUT_MARK):
             return ""
         new = text[len(self._prefix_text):]
         self._ids = self._ids[self._n_prefix:]  # last emitted ids become the new prefix

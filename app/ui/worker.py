@@ -147,7 +147,7 @@ class ModelInfo:
     model_type: str
     backend: str
     template_warning: str | None = None
-    context_window: int = 0  # tokens (config.json max_position_embeddings); 0 if unknown
+    context_window: int = 0  # tokens the model reads at most (0: unknown)
 
 
 class EngineWorker(QObject):
@@ -487,14 +487,9 @@ def _model_info(spec: str, loaded) -> ModelInfo:
         model_type=str(config.get("model_type", "?")),
         backend=str(getattr(loaded, "backend", "?")),
         template_warning=getattr(getattr(loaded, "tokenizer", None), "template_warning", None),
-        context_window=_window(config),
+        # the window the engine holds replies to (ChatSession.context_window)
+        context_window=int(loaded.model.args.max_position_embeddings),
     )
-
-
-def _window(config: dict) -> int:
-    """The context window a config.json states, 0 when it states none usable."""
-    value = config.get("max_position_embeddings")
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 class EngineHost(QObject):
