@@ -134,6 +134,9 @@ class MessageCard(QFrame):
         self.footer = QLabel("")
         self.footer.setObjectName("messageFooter")
         self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        # a long footer (numbers, the token limit, messages left out) wraps rather than
+        # widening the card past the chat column
+        self.footer.setWordWrap(True)
 
         header = QHBoxLayout()
         header.setContentsMargins(0, 0, 0, 0)
