@@ -37,7 +37,9 @@ from engine.drafters.ngram import NgramDrafter
 from engine.errors import EngineError, HeadError, IncompatibleDraftError, PromptError
 from engine.events import Finished, PromptProgress, Stats, Step, Token
 from engine.loading import LoadedModel
+from engine.models.taps import FeatureTap
 from engine.paths import cache_dir
+from engine.prefix_store import PrefixStore
 from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
@@ -102,6 +104,9 @@ class ChatSession:
             require_compatible(target.path, draft.path)
         self.caches_tgt = make_caches(target.model.n_layers)
         self.cached_ids_tgt: list[int] = []
+        # caches of conversations this session left, for when a prompt comes back to one
+        self.prefixes = PrefixStore()
+        self.draft_prefixes = PrefixStore(self.prefixes.budget_bytes // 4)
         self.stats = Stats()
         self._drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
         if target.model.n_layers > 1:
@@ -164,6 +169,8 @@ class ChatSession:
         """Forget the cached prefix (the next turn prefills everything)."""
         trim_caches(self.caches_tgt, 0)
         self.cached_ids_tgt = []
+        self.prefixes.clear()
+        self.draft_prefixes.clear()
         for d in self._drafters.values():
             d.reset()
         if self._recorder is not None:
@@ -202,15 +209,30 @@ class ChatSession:
     def _reuse_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Trim the cache to the longest prefix shared with `prompt_ids`; return its length.
 
-        At least the last prompt token is always recomputed: its logits start the reply.
+        A conversation the session left and comes back to gets its parked cache back
+        (`engine.prefix_store`), the draft model's too. At least the last prompt token is
+        always recomputed: its logits start the reply.
         """
-        n = 0
-        limit = min(len(self.cached_ids_tgt), cache_length(self.caches_tgt), len(prompt_ids) - 1)
-        while n < limit and self.cached_ids_tgt[n] == prompt_ids[n]:
-            n += 1
+        held = self.cached_ids_tgt[: cache_length(self.caches_tgt)]
+        n = self.prefixes.reuse(held, self.caches_tgt, self._taps(), prompt_ids,
+                                len(prompt_ids) - 1)
         trim_caches(self.caches_tgt, n)
         self.cached_ids_tgt = list(prompt_ids[:n])
+        model = self._drafters.get("model")
+        if isinstance(model, ModelDrafter):
+            # its `commit` feeds whatever the shared prefix leaves out
+            held = model.cached_ids[: cache_length(model.caches)]
+            m = self.draft_prefixes.reuse(held, model.caches, [], prompt_ids,
+                                           len(prompt_ids) - 1)
+            trim_caches(model.caches, m)
+            model.cached_ids = list(prompt_ids[:m])
         return n
+
+    def _taps(self) -> list[FeatureTap]:
+        """The feature taps recording this session's target passes (the head drafter's,
+        the online buffer's): their rows belong to the cache's conversation."""
+        taps = getattr(self.target.model, "feature_taps", None)
+        return taps.find_all(self.caches_tgt[0]) if taps and self.caches_tgt else []
 
     def _policy(self, options: GenerateOptions) -> DraftPolicy:
         mode = options.drafter

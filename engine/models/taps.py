@@ -44,6 +44,16 @@ class FeatureTap:
         start, rows = self._chunks[-1]
         return start + rows.shape[0]
 
+    @property
+    def chunks(self) -> list[tuple[int, mx.array]]:
+        """The recorded rows as (first position, rows) pieces, e.g. for a prefix store to
+        park with their conversation's cache (engine/prefix_store.py)."""
+        return self._chunks
+
+    @chunks.setter
+    def chunks(self, value: list[tuple[int, mx.array]]) -> None:
+        self._chunks = list(value)
+
     def record(self, start: int, capture: Capture, logits: mx.array | None = None) -> None:
         """Keep a pass's captured states (batch row 0) for positions start, start+1, ...
         (`logits`, the pass's output, is for taps that keep more than features)."""
