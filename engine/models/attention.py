@@ -12,11 +12,24 @@ and gradients flow (training runs the same attention).
 
 It also folds grouped query heads into rows: the query heads that share a key/value head
 are one matrix product with that head's keys, not a broadcast copy of them.
+
+A prompt's chunk (`prompt_pass`) takes its softmax on the host, with numpy's vectorized
+`exp`, once its scores are large. There the fused softmax is only compiled on the main
+thread (the app's and the server's engine threads run it op by op), and either way it
+spent most of a long prompt: at 8,000 cached keys a 64-row chunk's softmax took 45-60 ms a
+layer against 3 ms for each of its two matrix products, and numpy's takes ~5. Decode and
+verify passes keep the MLX path: reading the scores back forces the pass to run up to
+each layer, which would undo the pipelined decode loop (`steps.pipelined_step`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import mlx.core as mx
+import numpy as np
 
 from kernels.compile import compiled_on_main_thread
 
@@ -28,6 +41,22 @@ EXP2_POLY = (1.0000000025868891, 0.6931469286930303, 0.2402305020449802,
              0.00021877504766075584)
 # below this many scores the plain softmax wins: the fused one is two compiled calls
 FAST_SOFTMAX_MIN = 8192
+# from this many scores a prompt pass's softmax runs on the host (a 64-row chunk of the
+# demo over 2,000 keys has 1.2M): below, reading the scores back costs more than it saves
+HOST_SOFTMAX_MIN = 1 << 19
+
+_prompt_pass: ContextVar[bool] = ContextVar("prompt_pass", default=False)
+
+
+@contextmanager
+def prompt_pass() -> Iterator[None]:
+    """Mark the passes run inside as a prompt's chunks: no gradients, nothing queued
+    behind them, so their large softmaxes may run on the host."""
+    token = _prompt_pass.set(True)
+    try:
+        yield
+    finally:
+        _prompt_pass.reset(token)
 
 
 def _exp2_parts(scores: mx.array) -> tuple[mx.array, mx.array]:
@@ -72,11 +101,21 @@ def _fast_softmax_vjp(primals: list[mx.array], cotangent: mx.array,
     return (output * (cotangent - mx.sum(cotangent * output, axis=-1, keepdims=True)),)
 
 
+def host_softmax(scores: mx.array) -> mx.array:
+    """Softmax over the last axis of float32 scores, computed by numpy (it evaluates them)."""
+    a = np.asarray(scores)
+    e = np.exp(a - a.max(axis=-1, keepdims=True))
+    e /= e.sum(axis=-1, keepdims=True)
+    return mx.array(e)
+
+
 def softmax_last(scores: mx.array) -> mx.array:
     """Softmax over the last axis, as `mx.softmax(..., precise=True)` computes it for float32
     scores (within a few float32 ulps), without `mx.exp` on large inputs."""
     if scores.size < FAST_SOFTMAX_MIN or scores.dtype != mx.float32:
         return mx.softmax(scores, axis=-1, precise=True)
+    if scores.size >= HOST_SOFTMAX_MIN and _prompt_pass.get():
+        return host_softmax(scores)
     return _fast_softmax(scores)
 
 

@@ -8,6 +8,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine.models import attention as attn_module
 from engine.models.attention import FAST_SOFTMAX_MIN, attention, cpu_attention, softmax_last
 
 
@@ -130,3 +131,75 @@ def test_a_worker_thread_gets_the_same_attention_uncompiled() -> None:
     worker.join()
     assert mx.abs(there[0] - here).max().item() < 1e-6
     assert mx.abs(there[0] - _reference(q, k, v, 0.125, "causal")).max().item() < 2e-5
+
+
+def test_host_softmax_matches_precise_softmax_and_keeps_masked_keys_at_zero() -> None:
+    mx.random.seed(6)
+    scores = mx.random.normal((2, 30, 700)) * 30
+    dropped = mx.random.uniform(shape=scores.shape) < 0.4
+    scores = mx.where(dropped, -mx.inf, scores)
+    want = np.array(mx.softmax(scores, axis=-1, precise=True))
+    got = np.array(attn_module.host_softmax(scores))
+    assert np.abs(got - want).max() < 1e-6
+    assert (got[np.array(dropped)] == 0).all()
+    np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
+
+
+def test_a_prompt_chunks_large_softmax_runs_on_the_host_with_the_same_numbers(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside `prompt_pass` a softmax of at least HOST_SOFTMAX_MIN scores goes to numpy;
+    the attention it gives matches MLX's. Outside (decode and verify passes), never."""
+    calls: list[int] = []
+    real = attn_module.host_softmax
+
+    def counted(scores: mx.array) -> mx.array:
+        calls.append(scores.size)
+        return real(scores)
+
+    monkeypatch.setattr(attn_module, "host_softmax", counted)
+    q, k, v = _qkv(1, 9, 3, 64, 1500)
+    assert attn_module.HOST_SOFTMAX_MIN <= 9 * 64 * 1500
+    want = _reference(q, k, v, 0.125, "causal")
+    outside = cpu_attention(q, k, v, 0.125, "causal")
+    mx.eval(outside)
+    assert calls == []
+    with attn_module.prompt_pass():
+        inside = cpu_attention(q, k, v, 0.125, "causal")
+        small = cpu_attention(q[:, :, :2], k[:, :, :40], v[:, :, :40], 0.125, "causal")
+    mx.eval(inside, small)
+    assert calls == [9 * 64 * 1500]  # the small one stayed on MLX
+    assert mx.abs(inside - want).max().item() < 2e-5
+    assert mx.abs(outside - want).max().item() < 2e-5
+
+
+@pytest.mark.slow
+def test_the_demo_reads_a_long_prompt_on_the_host_softmax_to_the_same_logits(
+        demo_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 1,600-token prompt through `steps.prefill`: every chunk past the first few
+    hundred keys takes the host softmax. Its last logits are MLX's to float32 noise."""
+    from pathlib import Path
+
+    from engine.cache import make_caches
+    from engine.loading import load_model
+    from engine.steps import prefill
+
+    loaded = load_model(str(demo_model_dir))
+    text = Path(attn_module.__file__).read_text() * 3
+    ids = loaded.tokenizer.encode(text)[:1600]
+    assert len(ids) == 1600
+
+    def read(prompt: list[int]) -> np.ndarray:
+        chunks = list(prefill(loaded.model, prompt, make_caches(loaded.model.n_layers)))
+        return np.array(chunks[-1][1])
+
+    calls: list[int] = []
+    real = attn_module.host_softmax
+    monkeypatch.setattr(attn_module, "host_softmax", lambda s: calls.append(s.size) or real(s))
+    host = read(ids)
+    assert len(calls) >= loaded.model.n_layers  # whole chunks went to the host
+    monkeypatch.setattr(attn_module, "HOST_SOFTMAX_MIN", 1 << 62)
+    mlx_only = read(ids)
+    assert np.abs(host - mlx_only).max() < 1e-3
+    assert host.argmax() == mlx_only.argmax()
+    # negative control: the bound tells prompts apart (one token less moves the logits)
+    assert np.abs(read(ids[:-1]) - mlx_only).max() > 1e-2
