@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from engine.cache import KVCache
 from engine.events import TokenKind
-from engine.models.attention import prompt_pass
+from engine.models.attention import read_at_once
 from engine.sampling import SamplingParams, coupled_rows
 
 
@@ -77,7 +77,7 @@ def prefill(
     start, base = 0, caches[0].offset if caches else 0
     while start < len(ids):
         end = min(start + (chunk or chunk_rows(base + start)), len(ids))
-        with prompt_pass():
+        with read_at_once():
             logits = forward(model, ids[start:end], caches, last_only=True)[-1]
             mx.eval(logits)
         yield end, logits

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.cache import KVCache, cache_length, compact_caches
+from engine.models.attention import read_at_once
 from engine.models.taps import FeatureTap
 from engine.sampling import SamplingParams, coupled_rows
 from engine.tree import ROOT, DraftTree, ancestor_mask, kept_rows, row_positions
@@ -57,6 +58,12 @@ def tree_pass(model, caches: Sequence[KVCache], last: int, tree: DraftTree,
     A chain's ids the target has no row for (a draft model's padded embedding) are fed
     as a stand-in: such a draft is always rejected, so the rows after it are never used.
     """
+    with read_at_once():  # its logits are verified as soon as it is built
+        return _tree_pass(model, caches, last, tree, width)
+
+
+def _tree_pass(model, caches: Sequence[KVCache], last: int, tree: DraftTree,
+               width: int) -> mx.array:
     vocab = model.args.vocab_size
     n_pad = max(width - 1 - len(tree), 0)
     feed = mx.array([[last, *(t if t < vocab else 0 for t in tree.ids), *[last] * n_pad]])

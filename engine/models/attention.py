@@ -13,13 +13,15 @@ and gradients flow (training runs the same attention).
 It also folds grouped query heads into rows: the query heads that share a key/value head
 are one matrix product with that head's keys, not a broadcast copy of them.
 
-A prompt's chunk (`prompt_pass`) takes its softmax on the host, with numpy's vectorized
-`exp`, once its scores are large. There the fused softmax is only compiled on the main
-thread (the app's and the server's engine threads run it op by op), and either way it
-spent most of a long prompt: at 8,000 cached keys a 64-row chunk's softmax took 45-60 ms a
-layer against 3 ms for each of its two matrix products, and numpy's takes ~5. Decode and
-verify passes keep the MLX path: reading the scores back forces the pass to run up to
-each layer, which would undo the pipelined decode loop (`steps.pipelined_step`).
+A pass whose logits are read as soon as it is built (a prompt's chunk, a verify pass:
+`read_at_once`) takes its softmax on the host, with numpy's vectorized `exp`, once its
+scores are large. The fused softmax is only compiled on the main thread (the app's and the
+server's engine threads run it op by op), and either way it spent most of a long pass: at
+8,000 cached keys a 64-row prompt chunk's softmax took 45-60 ms a layer against 3 ms for
+each of its two matrix products, numpy's ~5; a 17-row verify pass's 15-19 ms, numpy's ~1.
+Reading the scores back runs the pass up to that layer there and then, so plain decoding's
+pipelined steps (`steps.pipelined_step`) keep the MLX path, and so does training, whose
+gradients cannot flow through numpy.
 """
 
 from __future__ import annotations
@@ -41,22 +43,23 @@ EXP2_POLY = (1.0000000025868891, 0.6931469286930303, 0.2402305020449802,
              0.00021877504766075584)
 # below this many scores the plain softmax wins: the fused one is two compiled calls
 FAST_SOFTMAX_MIN = 8192
-# from this many scores a prompt pass's softmax runs on the host (a 64-row chunk of the
-# demo over 2,000 keys has 1.2M): below, reading the scores back costs more than it saves
+# from this many scores a read-at-once pass's softmax runs on the host (a 64-row prompt
+# chunk of the demo over 2,000 keys has 1.2M, a 17-row verify pass over 4,000 keys 0.6M):
+# below, reading the scores back costs about what it saves
 HOST_SOFTMAX_MIN = 1 << 19
 
-_prompt_pass: ContextVar[bool] = ContextVar("prompt_pass", default=False)
+_read_at_once: ContextVar[bool] = ContextVar("read_at_once", default=False)
 
 
 @contextmanager
-def prompt_pass() -> Iterator[None]:
-    """Mark the passes run inside as a prompt's chunks: no gradients, nothing queued
-    behind them, so their large softmaxes may run on the host."""
-    token = _prompt_pass.set(True)
+def read_at_once() -> Iterator[None]:
+    """Mark the passes built inside as read at once (no gradients, nothing queued behind
+    them), so their large softmaxes may run on the host."""
+    token = _read_at_once.set(True)
     try:
         yield
     finally:
-        _prompt_pass.reset(token)
+        _read_at_once.reset(token)
 
 
 def _exp2_parts(scores: mx.array) -> tuple[mx.array, mx.array]:
@@ -114,7 +117,7 @@ def softmax_last(scores: mx.array) -> mx.array:
     scores (within a few float32 ulps), without `mx.exp` on large inputs."""
     if scores.size < FAST_SOFTMAX_MIN or scores.dtype != mx.float32:
         return mx.softmax(scores, axis=-1, precise=True)
-    if scores.size >= HOST_SOFTMAX_MIN and _prompt_pass.get():
+    if scores.size >= HOST_SOFTMAX_MIN and _read_at_once.get():
         return host_softmax(scores)
     return _fast_softmax(scores)
 

@@ -145,9 +145,9 @@ def test_host_softmax_matches_precise_softmax_and_keeps_masked_keys_at_zero() ->
     np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
 
 
-def test_a_prompt_chunks_large_softmax_runs_on_the_host_with_the_same_numbers(
+def test_a_read_at_once_passs_large_softmax_runs_on_the_host_with_the_same_numbers(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inside `prompt_pass` a softmax of at least HOST_SOFTMAX_MIN scores goes to numpy;
+    """Inside `read_at_once` a softmax of at least HOST_SOFTMAX_MIN scores goes to numpy;
     the attention it gives matches MLX's. Outside (decode and verify passes), never."""
     calls: list[int] = []
     real = attn_module.host_softmax
@@ -163,7 +163,7 @@ def test_a_prompt_chunks_large_softmax_runs_on_the_host_with_the_same_numbers(
     outside = cpu_attention(q, k, v, 0.125, "causal")
     mx.eval(outside)
     assert calls == []
-    with attn_module.prompt_pass():
+    with attn_module.read_at_once():
         inside = cpu_attention(q, k, v, 0.125, "causal")
         small = cpu_attention(q[:, :, :2], k[:, :, :40], v[:, :, :40], 0.125, "causal")
     mx.eval(inside, small)
