@@ -148,6 +148,7 @@ class GaugeWidget(QWidget):
         self.accept_label = QLabel("—")
         self.tokens_label = QLabel("0")
         self.context_label = QLabel("—")
+        self.prompt_label = QLabel("—")
         self.context_window = 0  # the model's, once known (`set_context_window`)
         self.sparkline = Sparkline()
         self.progress = QProgressBar()
@@ -159,7 +160,8 @@ class GaugeWidget(QWidget):
         grid.setContentsMargins(0, 0, 0, 0)
         for row, (name, label) in enumerate(
             (("tokens/pass", self.tau_label), ("accepted", self.accept_label),
-             ("tokens", self.tokens_label), ("context", self.context_label))
+             ("tokens", self.tokens_label), ("context", self.context_label),
+             ("prompt read", self.prompt_label))
         ):
             caption = QLabel(name)
             caption.setObjectName("gaugeCaption")
@@ -182,6 +184,8 @@ class GaugeWidget(QWidget):
         self.tokens_label.setText("0")
         self.context_label.setText("—")
         self.context_label.setToolTip("")
+        self.prompt_label.setText("—")
+        self.prompt_label.setToolTip("")
         self.progress.hide()
 
     def set_context_window(self, tokens: int) -> None:
@@ -203,6 +207,20 @@ class GaugeWidget(QWidget):
         self.accept_label.setText(f"{stats.acceptance:.0%}" if stats.n_drafted else "—")
         self.tokens_label.setText(str(stats.generated_tokens))
         self._show_context(stats)
+        self._show_prompt(stats)
+
+    def _show_prompt(self, stats: Stats) -> None:
+        """How long the prompt took to read: the wait before the first token. A prompt the
+        cache already held (a follow-up, a conversation come back to) reads only its end."""
+        if not stats.prompt_tokens:
+            return
+        self.prompt_label.setText(f"{stats.prompt_s:.2f} s")
+        cached = stats.prompt_tokens - stats.prefilled_tokens
+        tip = (f"read {stats.prefilled_tokens:,} of the prompt's {stats.prompt_tokens:,} "
+               f"tokens in {stats.prompt_s:.2f} s")
+        if cached > 0:
+            tip += f"; the other {cached:,} were already in the cache"
+        self.prompt_label.setToolTip(tip)
 
     def _show_context(self, stats: Stats) -> None:
         """How much of the context window the reply's prompt and text take."""
@@ -225,6 +243,7 @@ class GaugeWidget(QWidget):
             self.accept_label.setText(f"{stats.acceptance:.0%}" if stats.n_drafted else "—")
             self.tokens_label.setText(str(stats.generated_tokens))
             self._show_context(stats)
+            self._show_prompt(stats)
             self.setToolTip(footer_text(stats))
 
     @property

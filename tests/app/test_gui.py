@@ -472,6 +472,33 @@ def test_stopping_a_race_stops_both_runs(qtbot, make_gui, tiny_pair, monkeypatch
     assert len(view.plain.steps) < 5000 and view.replay_button.isEnabled()
 
 
+def test_coming_back_to_a_conversation_reads_only_the_new_message(qtbot, make_gui, tiny_pair,
+                                                                  screenshots_dir) -> None:
+    """The engine parks the prompt cache of a conversation the user leaves: back in it,
+    the next reply reads only the new message, and the gauge says how much came from the
+    cache."""
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=8))
+    gui.controller.send("first chat: " + "the cat sat on the mat. " * 25)
+    wait_idle(qtbot, gui)
+    first = gui.controller.conversation_id
+    gui.controller.new_conversation()
+    gui.controller.send("second chat: " + "a ship sailed the sea. " * 25)
+    wait_idle(qtbot, gui)
+    gui.controller.open_conversation(first)
+    gui.controller.send("and then?")
+    wait_idle(qtbot, gui)
+    last = stats_from_dict([m for m in gui.store.messages(first) if m.role == "assistant"][-1].stats)
+    assert last.prompt_tokens > 300
+    assert last.prompt_tokens - last.prefilled_tokens > 280  # the parked cache came back
+    gauge = gui.window.gauge
+    assert gauge.prompt_label.text() == f"{last.prompt_s:.2f} s"
+    cached = last.prompt_tokens - last.prefilled_tokens
+    assert gauge.prompt_label.toolTip() == (
+        f"read {last.prefilled_tokens:,} of the prompt's {last.prompt_tokens:,} tokens in "
+        f"{last.prompt_s:.2f} s; the other {cached:,} were already in the cache")
+    gui.window.grab().save(str(screenshots_dir / "gauge_prompt_read.png"))
+
+
 def test_restart_restores_conversations_with_highlighting(qtbot, make_gui, tiny_pair, tmp_path) -> None:
     target, draft = tiny_pair
     gui = make_gui(spec_settings(target, draft, max_tokens=30))
