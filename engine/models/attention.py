@@ -14,11 +14,12 @@ It also folds grouped query heads into rows: the query heads that share a key/va
 are one matrix product with that head's keys, not a broadcast copy of them.
 
 A pass whose logits are read as soon as it is built (a prompt's chunk, a verify pass:
-`read_at_once`) takes its softmax on the host, with numpy's vectorized `exp`, once its
-scores are large. The fused softmax is only compiled on the main thread (the app's and the
+`read_at_once`) takes its softmax on the host instead, with numpy's vectorized `exp`. The
+fused softmax is only compiled on the main thread (the app's and the
 server's engine threads run it op by op), and either way it spent most of a long pass: at
 8,000 cached keys a 64-row prompt chunk's softmax took 45-60 ms a layer against 3 ms for
 each of its two matrix products, numpy's ~5; a 17-row verify pass's 15-19 ms, numpy's ~1.
+Whole verify passes of the demo got 5-12% cheaper at 400 cached tokens and 15-28% at 2,300.
 Reading the scores back runs the pass up to that layer there and then, so plain decoding's
 pipelined steps (`steps.pipelined_step`) keep the MLX path, and so does training, whose
 gradients cannot flow through numpy.
@@ -43,11 +44,6 @@ EXP2_POLY = (1.0000000025868891, 0.6931469286930303, 0.2402305020449802,
              0.00021877504766075584)
 # below this many scores the plain softmax wins: the fused one is two compiled calls
 FAST_SOFTMAX_MIN = 8192
-# from this many scores a read-at-once pass's softmax runs on the host (a 64-row prompt
-# chunk of the demo over 2,000 keys has 1.2M, a 17-row verify pass over 4,000 keys 0.6M):
-# below, reading the scores back costs about what it saves
-HOST_SOFTMAX_MIN = 1 << 19
-
 _read_at_once: ContextVar[bool] = ContextVar("read_at_once", default=False)
 
 
@@ -117,7 +113,7 @@ def softmax_last(scores: mx.array) -> mx.array:
     scores (within a few float32 ulps), without `mx.exp` on large inputs."""
     if scores.size < FAST_SOFTMAX_MIN or scores.dtype != mx.float32:
         return mx.softmax(scores, axis=-1, precise=True)
-    if scores.size >= HOST_SOFTMAX_MIN and _read_at_once.get():
+    if _read_at_once.get():
         return host_softmax(scores)
     return _fast_softmax(scores)
 
