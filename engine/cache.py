@@ -117,6 +117,15 @@ def rows_in_place(keep: Sequence[int]) -> int:
     return n
 
 
+def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids `a` and `b` have in common: how much of a cache holding `a`
+    a prompt `b` can reuse."""
+    n, limit = 0, min(len(a), len(b))
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
+
 def make_caches(n_layers: int, chunk: int = 256) -> list[PreallocatedKVCache]:
     """One cache per decoder layer."""
     return [PreallocatedKVCache(chunk) for _ in range(n_layers)]

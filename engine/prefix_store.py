@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.cache import PreallocatedKVCache
+from engine.cache import PreallocatedKVCache, shared_length
 from engine.models.taps import FeatureTap
 
 # at most 1 GiB (three full 8k-token windows of the demo model at 46 KB a position in
@@ -55,14 +55,6 @@ class Parked:
         total = sum(a.nbytes for layer in self.layers for a in (layer.keys, layer.values)
                     if a is not None)
         return total + sum(rows.nbytes for _, chunks in self.taps for _, rows in chunks)
-
-
-def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids `a` and `b` have in common."""
-    n, limit = 0, min(len(a), len(b))
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def default_budget() -> int:

@@ -22,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from engine.cache import KVCache, PreallocatedKVCache
+from engine.cache import KVCache, PreallocatedKVCache, shared_length
 from engine.drafters.base import Draft, draft_tokens, with_runner_ups
 from engine.models.decoder import MLP, Attention, Linear, ModelArgs
 from engine.models.taps import FeatureTap
@@ -224,10 +224,7 @@ class HeadDrafter:
 
     def commit(self, context: Sequence[int]) -> None:
         """Hold rows for positions 0 .. len(context) - 2, fed from the tapped features."""
-        n = 0
-        limit = min(len(self.ids), len(context))
-        while n < limit and self.ids[n] == context[n]:
-            n += 1
+        n = shared_length(self.ids, context)
         keep = min(self.cache.offset, max(n - 1, 0))
         if keep < self.cache.offset:
             self.cache.trim(keep)

@@ -9,11 +9,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine.cache import PreallocatedKVCache
+from engine.cache import PreallocatedKVCache, shared_length
 from engine.decode import ChatSession, GenerateOptions
 from engine.events import Finished, Step
 from engine.loading import LoadedModel, load_model
-from engine.prefix_store import PrefixStore, carries_on, shared_length
+from engine.prefix_store import PrefixStore, carries_on
 from engine.sampling import SamplingParams
 from engine.training.head_init import init_head
 from tests.fixtures.tiny_models import write_tiny_model, write_tiny_pair
