@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 
 from engine.blas_core import corename
 from engine.cache import make_caches
-from engine.models.attention import read_at_once
+from engine.models.attention import inference_pass
 from engine.paths import cache_dir
 from engine.tuning import K_MAX, CostModel, row_budget
 
@@ -121,7 +121,7 @@ def measure_costs(model, draft_model=None, layerskip_layers: int | None = None,
 
     def target_pass(width: int, n_layers: int | None = None) -> Callable[[], object]:
         def run() -> object:
-            with read_at_once():  # as a verify pass is run (`tree_verify.tree_pass`)
+            with inference_pass():  # priced as a verify pass runs (`tree_verify.tree_pass`)
                 out = model(mx.zeros((1, width), dtype=mx.int32), cache=caches,
                             n_layers=n_layers)
                 mx.eval(out)

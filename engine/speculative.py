@@ -38,6 +38,7 @@ import mlx.core as mx
 from engine.cache import KVCache
 from engine.drafters.base import Draft, Drafter
 from engine.events import TokenKind
+from engine.models.attention import inference_pass
 from engine.sampling import SamplingParams, log_probs
 from engine.steps import RawStep, forward, pipelined_step, sample_next
 from engine.tree import ROOT, DraftTree, TreeError, validate_tree
@@ -253,7 +254,8 @@ def speculative_steps(
             # reading this token back (the caches then hold all of `context`)
             from_pending = pending is not None
             if pending is None:
-                pending = forward(model, [context[-1]], caches)[-1]
+                with inference_pass():
+                    pending = forward(model, [context[-1]], caches)[-1]
             token, prob, pending = pipelined_step(model, caches, pending, context, sampling)
             policy.observe(token)
             t_end = clock()

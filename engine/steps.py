@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from engine.cache import KVCache
 from engine.events import TokenKind
-from engine.models.attention import read_at_once
+from engine.models.attention import inference_pass
 from engine.sampling import SamplingParams, coupled_rows
 
 
@@ -77,7 +77,7 @@ def prefill(
     start, base = 0, caches[0].offset if caches else 0
     while start < len(ids):
         end = min(start + (chunk or chunk_rows(base + start)), len(ids))
-        with read_at_once():
+        with inference_pass():
             logits = forward(model, ids[start:end], caches, last_only=True)[-1]
             mx.eval(logits)
         yield end, logits
@@ -107,7 +107,8 @@ def pipelined_step(model, caches: Sequence[KVCache], logits: mx.array, context: 
     """
     tok, p = sample_next(logits, context, params)
     mx.async_eval(tok, p)  # its own event: reading it must not wait for the next pass
-    nxt = model(tok[None], cache=list(caches))[0, -1]
+    with inference_pass():
+        nxt = model(tok[None], cache=list(caches))[0, -1]
     mx.async_eval(nxt)
     token, prob = int(tok.item()), float(p.item())
     context.append(token)

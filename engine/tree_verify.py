@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from engine.cache import KVCache, cache_length, compact_caches
-from engine.models.attention import read_at_once
+from engine.models.attention import inference_pass
 from engine.models.taps import FeatureTap
 from engine.sampling import SamplingParams, coupled_rows
 from engine.tree import ROOT, DraftTree, ancestor_mask, kept_rows, row_positions
@@ -58,7 +58,7 @@ def tree_pass(model, caches: Sequence[KVCache], last: int, tree: DraftTree,
     A chain's ids the target has no row for (a draft model's padded embedding) are fed
     as a stand-in: such a draft is always rejected, so the rows after it are never used.
     """
-    with read_at_once():  # its logits are verified as soon as it is built
+    with inference_pass():
         return _tree_pass(model, caches, last, tree, width)
 
 

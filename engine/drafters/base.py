@@ -15,7 +15,7 @@ from typing import Protocol
 import mlx.core as mx
 
 from engine.cache import KVCache, cache_length, shared_length, trim_caches
-from engine.models.attention import read_at_once
+from engine.models.attention import inference_pass
 from engine.sampling import (
     SamplingParams,
     gumbel_noise,
@@ -210,7 +210,7 @@ def sync_cache(model, caches: Sequence[KVCache], cached_ids: list[int],
     logits = None
     while n < len(want):  # in a prompt's chunks: a long prompt at once held every score
         end = min(n + chunk_rows(n), len(want))
-        with read_at_once():  # as the target's prompt chunks (`steps.prefill`)
+        with inference_pass():  # as the target's prompt chunks (`steps.prefill`)
             logits = model(mx.array([want[n:end]]), cache=list(caches), last_only=True)[0]
         if end < len(want):
             mx.eval(logits)

@@ -13,16 +13,17 @@ and gradients flow (training runs the same attention).
 It also folds grouped query heads into rows: the query heads that share a key/value head
 are one matrix product with that head's keys, not a broadcast copy of them.
 
-A pass whose logits are read as soon as it is built (a prompt's chunk, a verify pass:
-`read_at_once`) takes its softmax on the host instead, with numpy's vectorized `exp`. The
-fused softmax is only compiled on the main thread (the app's and the
-server's engine threads run it op by op), and either way it spent most of a long pass: at
-8,000 cached keys a 64-row prompt chunk's softmax took 45-60 ms a layer against 3 ms for
-each of its two matrix products, numpy's ~5; a 17-row verify pass's 15-19 ms, numpy's ~1.
-Whole verify passes of the demo got 5-12% cheaper at 400 cached tokens and 15-28% at 2,300.
-Reading the scores back runs the pass up to that layer there and then, so plain decoding's
-pipelined steps (`steps.pipelined_step`) keep the MLX path, and so does training, whose
-gradients cannot flow through numpy.
+An inference pass (`inference_pass`: a prompt's chunk, a decode step, a verify pass)
+takes its softmax on the host instead, with numpy's vectorized `exp`. The fused softmax is
+only compiled on the main thread (the app's and the server's engine threads run it op by
+op), and either way it cost more than its share: at 8,000 cached keys a 64-row prompt
+chunk's softmax took 45-60 ms a layer against 3 ms for each of its two matrix products,
+numpy's ~5; a 17-row verify pass's 15-19 ms, numpy's ~1. Reading the scores back runs the
+pass up to that layer there and then, which takes most of the overlap out of pipelined
+decoding (`steps.pipelined_step`), and still plain decoding on the engine thread went
+from 18.9 to 22.4 tok/s at 1,000 cached tokens and from 17.0 to 21.1 at 2,000; whole
+verify passes got 5-12% cheaper at 400 and 15-28% at 2,300. Training keeps the MLX path:
+no gradient flows through numpy, so only passes marked as inference take the host's.
 """
 
 from __future__ import annotations
@@ -44,18 +45,18 @@ EXP2_POLY = (1.0000000025868891, 0.6931469286930303, 0.2402305020449802,
              0.00021877504766075584)
 # below this many scores the plain softmax wins: the fused one is two compiled calls
 FAST_SOFTMAX_MIN = 8192
-_read_at_once: ContextVar[bool] = ContextVar("read_at_once", default=False)
+_inference_pass: ContextVar[bool] = ContextVar("inference_pass", default=False)
 
 
 @contextmanager
-def read_at_once() -> Iterator[None]:
-    """Mark the passes built inside as read at once (no gradients, nothing queued behind
-    them), so their large softmaxes may run on the host."""
-    token = _read_at_once.set(True)
+def inference_pass() -> Iterator[None]:
+    """Mark the passes built inside as inference (no gradient will flow through them), so
+    their softmaxes may run on the host."""
+    token = _inference_pass.set(True)
     try:
         yield
     finally:
-        _read_at_once.reset(token)
+        _inference_pass.reset(token)
 
 
 def _exp2_parts(scores: mx.array) -> tuple[mx.array, mx.array]:
@@ -113,7 +114,7 @@ def softmax_last(scores: mx.array) -> mx.array:
     scores (within a few float32 ulps), without `mx.exp` on large inputs."""
     if scores.size < FAST_SOFTMAX_MIN or scores.dtype != mx.float32:
         return mx.softmax(scores, axis=-1, precise=True)
-    if _read_at_once.get():
+    if _inference_pass.get():
         return host_softmax(scores)
     return _fast_softmax(scores)
 

@@ -146,10 +146,10 @@ def test_host_softmax_matches_precise_softmax_and_keeps_masked_keys_at_zero() ->
     np.testing.assert_allclose(got.sum(-1), 1.0, atol=1e-5)
 
 
-def test_a_read_at_once_passs_large_softmax_runs_on_the_host_with_the_same_numbers(
+def test_an_inference_pass_takes_its_softmax_on_the_host_with_the_same_numbers(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inside `read_at_once` a softmax of at least FAST_SOFTMAX_MIN scores goes to numpy;
-    the attention it gives matches MLX's. Outside (plain decoding, training), never."""
+    """Inside `inference_pass` a softmax of at least FAST_SOFTMAX_MIN scores goes to numpy;
+    the attention it gives matches MLX's. Outside (training), never."""
     calls: list[int] = []
     real = attn_module.host_softmax
 
@@ -163,7 +163,7 @@ def test_a_read_at_once_passs_large_softmax_runs_on_the_host_with_the_same_numbe
     outside = cpu_attention(q, k, v, 0.125, "causal")
     mx.eval(outside)
     assert calls == []
-    with attn_module.read_at_once():
+    with attn_module.inference_pass():
         inside = cpu_attention(q, k, v, 0.125, "causal")
         small = cpu_attention(q[:, :, :2], k[:, :, :400], v[:, :, :400], 0.125, "causal")
     assert FAST_SOFTMAX_MIN > 9 * 2 * 400
@@ -200,10 +200,10 @@ def test_the_demo_reads_a_long_prompt_on_the_host_softmax_to_the_same_logits(
     host = read(ids)
     assert len(calls) >= loaded.model.n_layers  # whole chunks went to the host
     calls.clear()
-    monkeypatch.setattr(attn_module, "read_at_once", contextlib.nullcontext)
-    monkeypatch.setattr(steps, "read_at_once", contextlib.nullcontext)
+    monkeypatch.setattr(attn_module, "inference_pass", contextlib.nullcontext)
+    monkeypatch.setattr(steps, "inference_pass", contextlib.nullcontext)
     mlx_only = read(ids)
-    assert calls == []  # negative control: outside `read_at_once`, MLX's softmax
+    assert calls == []  # negative control: outside `inference_pass`, MLX's softmax
     assert np.abs(host - mlx_only).max() < 1e-3
     assert host.argmax() == mlx_only.argmax()
     # negative control: the bound tells prompts apart (one token less moves the logits)
