@@ -13,7 +13,8 @@ and gradients flow (training runs the same attention).
 It also folds grouped query heads into rows: the query heads that share a key/value head
 are one matrix product with that head's keys, not a broadcast copy of them.
 
-An inference pass (`inference_pass`: a prompt's chunk, a decode step, a verify pass)
+An inference pass (`inference_pass`: a prompt's chunk, a decode step, a verify pass, a
+training job's data passes)
 takes its softmax on the host instead, with numpy's vectorized `exp`. The fused softmax is
 only compiled on the main thread (the app's and the server's engine threads run it op by
 op), and either way it cost more than its share: at 8,000 cached keys a 64-row prompt

@@ -28,6 +28,7 @@ import numpy as np
 from engine.cache import make_caches
 from engine.context_fit import fit_to_window, reply_room
 from engine.errors import EngineError, PromptError, TrainingDataError
+from engine.models.attention import inference_pass
 from engine.tokenizer import check_messages
 from engine.training.open_files import allow_open_files, too_many_open
 from kernels.compile import compiled_on_main_thread
@@ -189,8 +190,9 @@ def read_positions(model, grid: np.ndarray, valid: np.ndarray, caches, layers: S
         rows = np.arange(offset + a, offset + b)[:, None]
         keys = np.arange(offset + b)[None, :]
         mask = ((keys <= rows)[None] & valid[:, None, : offset + b]) | (keys == rows)[None]
-        logits, f = _pass(model, mx.array(grid[:, a:b]), mx.array(mask[:, None]), caches,
-                          layers)
+        with inference_pass():  # read back at once, no gradients: the host's softmax
+            logits, f = _pass(model, mx.array(grid[:, a:b]), mx.array(mask[:, None]), caches,
+                              layers)
         top_ids, top_p = topk_probs(logits, top_k)
         last = logits[:, -1].astype(mx.float32)
         mx.eval(top_ids, top_p, f, last)
