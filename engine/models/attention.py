@@ -102,12 +102,35 @@ def _fast_softmax_vjp(primals: list[mx.array], cotangent: mx.array,
     return (output * (cotangent - mx.sum(cotangent * output, axis=-1, keepdims=True)),)
 
 
-def host_softmax(scores: mx.array) -> mx.array:
-    """Softmax over the last axis of float32 scores, computed by numpy (it evaluates them)."""
+def host_softmax(scores: mx.array, causal: int = 0) -> mx.array:
+    """Softmax over the last axis of float32 scores, computed by numpy (it evaluates them).
+
+    `causal` = L: the scores' rows are groups of L queries at the last L of S positions, and
+    query i sees keys up to S - L + i. Only the last L keys are masked, in place of a
+    masking pass over every score."""
     a = np.asarray(scores)
-    e = np.exp(a - a.max(axis=-1, keepdims=True))
+    if not causal:
+        e = np.exp(a - a.max(axis=-1, keepdims=True))
+    else:
+        L, S = causal, a.shape[-1]
+        grid = a.reshape(*a.shape[:-2], -1, L, S)  # (..., groups, L, S)
+        past = S - L
+        tail = grid[..., past:] + np.triu(np.full((L, L), -np.inf, np.float32), 1)
+        top = tail.max(axis=-1, keepdims=True)
+        if past:
+            top = np.maximum(top, grid[..., :past].max(axis=-1, keepdims=True))
+        e = np.empty(grid.shape, np.float32)
+        np.exp(np.subtract(grid[..., :past], top, out=e[..., :past]), out=e[..., :past])
+        np.exp(tail - top, out=e[..., past:])
+        e = e.reshape(a.shape)
     e /= e.sum(axis=-1, keepdims=True)
     return mx.array(e)
+
+
+def _on_host(scores: mx.array) -> bool:
+    """Whether this softmax runs on the host: an inference pass's, over enough scores."""
+    return (scores.size >= FAST_SOFTMAX_MIN and scores.dtype == mx.float32
+            and _inference_pass.get())
 
 
 def softmax_last(scores: mx.array) -> mx.array:
@@ -115,7 +138,7 @@ def softmax_last(scores: mx.array) -> mx.array:
     scores (within a few float32 ulps), without `mx.exp` on large inputs."""
     if scores.size < FAST_SOFTMAX_MIN or scores.dtype != mx.float32:
         return mx.softmax(scores, axis=-1, precise=True)
-    if _inference_pass.get():
+    if _on_host(scores):
         return host_softmax(scores)
     return _fast_softmax(scores)
 
@@ -139,6 +162,8 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     n_kv, S = k.shape[1], k.shape[2]
     group = H // n_kv
     scores = (q * scale).reshape(B, n_kv, group * L, d) @ k.swapaxes(-1, -2)
+    if isinstance(mask, str) and mask == "causal" and _on_host(scores):
+        return (host_softmax(scores, causal=L).astype(v.dtype) @ v).reshape(B, H, L, d)
     if mask is not None:
         if isinstance(mask, str):
             if mask != "causal":

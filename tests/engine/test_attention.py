@@ -26,7 +26,9 @@ def _qkv(B: int, H: int, n_kv: int, L: int, S: int, seed: int = 0):
 @pytest.mark.parametrize("H,n_kv", [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("L,S", [(1, 37), (4, 300), (11, 2048), (48, 48)])
 @pytest.mark.parametrize("masking", ["none", "causal", "bool", "additive", "per-row-batch"])
-def test_cpu_attention_matches_mlx(H: int, n_kv: int, L: int, S: int, masking: str) -> None:
+@pytest.mark.parametrize("inference", [False, True], ids=["mlx-softmax", "host-softmax"])
+def test_cpu_attention_matches_mlx(H: int, n_kv: int, L: int, S: int, masking: str,
+                                   inference: bool) -> None:
     B = 2 if masking == "per-row-batch" else 1
     q, k, v = _qkv(B, H, n_kv, L, S)
     rng = np.random.default_rng(1)
@@ -40,7 +42,8 @@ def test_cpu_attention_matches_mlx(H: int, n_kv: int, L: int, S: int, masking: s
             }[masking]
     scale = 1 / math.sqrt(64)
     want = _reference(q, k, v, scale, mask)
-    got = cpu_attention(q, k, v, scale, mask)
+    with attn_module.inference_pass() if inference else contextlib.nullcontext():
+        got = cpu_attention(q, k, v, scale, mask)
     assert got.shape == want.shape
     err = mx.abs(got - want).max().item()
     assert err < 2e-5, err
@@ -153,9 +156,9 @@ def test_an_inference_pass_takes_its_softmax_on_the_host_with_the_same_numbers(
     calls: list[int] = []
     real = attn_module.host_softmax
 
-    def counted(scores: mx.array) -> mx.array:
+    def counted(scores: mx.array, causal: int = 0) -> mx.array:
         calls.append(scores.size)
-        return real(scores)
+        return real(scores, causal)
 
     monkeypatch.setattr(attn_module, "host_softmax", counted)
     q, k, v = _qkv(1, 9, 3, 64, 1500)
@@ -196,7 +199,8 @@ def test_the_demo_reads_a_long_prompt_on_the_host_softmax_to_the_same_logits(
 
     calls: list[int] = []
     real = attn_module.host_softmax
-    monkeypatch.setattr(attn_module, "host_softmax", lambda s: calls.append(s.size) or real(s))
+    monkeypatch.setattr(attn_module, "host_softmax",
+                        lambda s, causal=0: calls.append(s.size) or real(s, causal))
     host = read(ids)
     assert len(calls) >= loaded.model.n_layers  # whole chunks went to the host
     calls.clear()
