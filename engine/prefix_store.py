@@ -9,9 +9,9 @@ bytes, and hands one back when a prompt starts with more of it than the live cac
 
 Caches move in and out by reference, never copied: an entry owns the buffers it was given
 and gives them up when taken. A live cache parked after a shared start keeps a view of
-those rows, which its next write outgrows into a buffer of its own, so no pass writes
-into a parked buffer. The head drafter's feature taps move with the cache: their rows are per position of
-the same conversation.
+those rows, which its next write outgrows into a buffer of its own, so no pass writes into
+a parked buffer. The head drafter's feature taps move with the cache: their rows are per
+position of the same conversation.
 """
 
 from __future__ import annotations

@@ -14,17 +14,17 @@ It also folds grouped query heads into rows: the query heads that share a key/va
 are one matrix product with that head's keys, not a broadcast copy of them.
 
 An inference pass (`inference_pass`: a prompt's chunk, a decode step, a verify pass, a
-training job's data passes)
-takes its softmax on the host instead, with numpy's vectorized `exp`. The fused softmax is
-only compiled on the main thread (the app's and the server's engine threads run it op by
-op), and either way it cost more than its share: at 8,000 cached keys a 64-row prompt
-chunk's softmax took 45-60 ms a layer against 3 ms for each of its two matrix products,
-numpy's ~5; a 17-row verify pass's 15-19 ms, numpy's ~1. Reading the scores back runs the
-pass up to that layer there and then, which takes most of the overlap out of pipelined
-decoding (`steps.pipelined_step`), and still plain decoding on the engine thread went
-from 18.9 to 22.4 tok/s at 1,000 cached tokens and from 17.0 to 21.1 at 2,000; whole
-verify passes got 5-12% cheaper at 400 and 15-28% at 2,300. Training keeps the MLX path:
-no gradient flows through numpy, so only passes marked as inference take the host's.
+training job's data passes) takes its softmax on the host instead, with numpy's vectorized
+`exp`, and a causal one its mask too, on the last L keys only. The fused softmax is only
+compiled on the main thread (the app's and the server's engine threads run it op by op),
+and either way it cost more than its share: at 8,000 cached keys a 64-row prompt chunk's
+softmax took 45-60 ms a layer against 3 ms for each of its two matrix products, numpy's
+~5; a 17-row verify pass's 15-19 ms, numpy's ~1. Reading the scores back runs the pass up
+to that layer there and then, which takes most of the overlap out of pipelined decoding
+(`steps.pipelined_step`), and still plain decoding on the engine thread went from 18.9 to
+22.4 tok/s at 1,000 cached tokens and from 17.0 to 21.1 at 2,000; whole verify passes got
+5-12% cheaper at 400 and 15-28% at 2,300. Training keeps the MLX path: no gradient flows
+through numpy, so only passes marked as inference take the host's.
 """
 
 from __future__ import annotations
