@@ -217,6 +217,15 @@ def _stream(session, messages, options, out: Any = None, continue_final: bool = 
     return finished, steps
 
 
+def _prompt_read(stats) -> str:
+    """The chat stats line's prompt time: the wait before the first token, and how much of
+    the prompt the cache already held (all of an earlier turn, or a conversation come back
+    to: `engine.prefix_store`)."""
+    cached = stats.prompt_tokens - stats.prefilled_tokens
+    held = f" ({cached:,} of {stats.prompt_tokens:,} tokens cached)" if cached > 0 else ""
+    return f"prompt {stats.prompt_s:.2f} s{held}"
+
+
 def _dropped(stats) -> str:
     """The stats line's note on messages left out to fit the context window, if any."""
     from engine.context_fit import dropped_note
@@ -349,7 +358,7 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
         s = finished.stats
         sys.stdout.write("\n")
         print(f"[{s.generated_tokens} tokens · {s.decode_tps:.1f} tok/s · "
-              f"{s.tau:.2f} tokens/pass{_dropped(s)}]", file=sys.stderr)
+              f"{s.tau:.2f} tokens/pass · {_prompt_read(s)}{_dropped(s)}]", file=sys.stderr)
         if going_on:
             messages[-1] = {"role": "assistant", "content": messages[-1]["content"] + finished.text}
         else:

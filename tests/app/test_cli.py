@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -244,7 +245,11 @@ def test_chat_keeps_the_conversation(tiny: Path, tmp_path: Path,
                                 "/bye", "never read", ""]))
     assert proc.returncode == 0, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert len([ln for ln in proc.stderr.splitlines() if ln.startswith("[6 tokens")]) == 2
+    stats = [ln for ln in proc.stderr.splitlines() if ln.startswith("[6 tokens")]
+    assert len(stats) == 2
+    # the second turn read only its new tokens: the first turn's were still cached
+    assert " · prompt " in stats[0] and "cached" not in stats[0]
+    assert re.search(r" · prompt \d+\.\d\d s \([\d,]+ of [\d,]+ tokens cached\)\]$", stats[1])
     assert proc.stdout.count("... ") == 4  # the block's three lines and its closing fence
     assert proc.stdout.endswith("you> ")  # /bye: "never read" was never read
     answers = [part.partition("\nyou> ")[0] for part in proc.stdout.split("assistant> ")[1:]]
