@@ -20,9 +20,13 @@ def finish_reason(stats: Stats) -> str:
     return _FINISH.get(stats.finish_reason or "", "stop")
 
 
-def usage(stats: Stats) -> dict[str, int]:
+def usage(stats: Stats) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: the prompt tokens the engine did not read
+    again (an earlier turn's, or a conversation it parked: `engine.prefix_store`)."""
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {
+                "cached_tokens": max(stats.prompt_tokens - stats.prefilled_tokens, 0)}}
 
 
 def step_extension(step: Step) -> dict[str, Any]:

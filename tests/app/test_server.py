@@ -202,6 +202,26 @@ def test_follow_up_prefills_only_new_tokens(client: openai.OpenAI, card: ModelCa
     assert shared > 300
     assert b.usage.prompt_tokens == len(ids_b)
     assert ext(b)["prefilled_tokens"] == len(ids_b) - shared
+    assert b.usage.prompt_tokens_details.cached_tokens == shared  # OpenAI's field for it
+
+
+def test_two_clients_conversations_each_keep_their_cache(client: openai.OpenAI,
+                                                         card: ModelCard) -> None:
+    """Two editors' conversations, interleaved: each follow-up reads only its new message,
+    the other conversation's cache parked meanwhile (`engine.prefix_store`)."""
+    convos = {name: [{"role": "user", "content": f"{name}: " + f"the {name} is here. " * 50}]
+              for name in ("cat", "ship")}
+    for messages in convos.values():
+        reply = client.chat.completions.create(model=card.id, messages=messages,
+                                               max_tokens=4, temperature=0)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "And then?"}]
+    for messages in convos.values():
+        again = client.chat.completions.create(model=card.id, messages=messages,
+                                               max_tokens=4, temperature=0)
+        prompt = card.tokenizer.encode_chat(messages)
+        assert again.usage.prompt_tokens == len(prompt) > 300
+        assert again.usage.prompt_tokens_details.cached_tokens > len(prompt) - 40
 
 
 # ---------------------------------------------------------------------------- queue, cancel
