@@ -106,6 +106,7 @@ class ChatSession:
         self.cached_ids_tgt: list[int] = []
         # caches of conversations this session left, for when a prompt comes back to one
         self.prefixes = PrefixStore()
+        # a draft model is a fraction of the target: so are its caches
         self.draft_prefixes = PrefixStore(self.prefixes.budget_bytes // 4)
         self.stats = Stats()
         self._drafters: dict[str, Drafter] = {"ngram": NgramDrafter()}
@@ -216,7 +217,6 @@ class ChatSession:
         held = self.cached_ids_tgt[: cache_length(self.caches_tgt)]
         n = self.prefixes.reuse(held, self.caches_tgt, self._taps(), prompt_ids,
                                 len(prompt_ids) - 1)
-        trim_caches(self.caches_tgt, n)
         self.cached_ids_tgt = list(prompt_ids[:n])
         model = self._drafters.get("model")
         if isinstance(model, ModelDrafter):
@@ -224,7 +224,6 @@ class ChatSession:
             held = model.cached_ids[: cache_length(model.caches)]
             m = self.draft_prefixes.reuse(held, model.caches, [], prompt_ids,
                                            len(prompt_ids) - 1)
-            trim_caches(model.caches, m)
             model.cached_ids = list(prompt_ids[:m])
         return n
 

@@ -106,6 +106,12 @@ class Stats:
     dropped_messages: int = 0
 
     @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens the cache already held (an earlier turn's, a parked conversation's:
+        `engine.prefix_store`), so not read again."""
+        return max(self.prompt_tokens - self.prefilled_tokens, 0)
+
+    @property
     def prompt_tps(self) -> float:
         return self.prefilled_tokens / self.prompt_s if self.prompt_s > 0 else 0.0
 

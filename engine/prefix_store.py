@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.cache import PreallocatedKVCache, shared_length
+from engine.cache import PreallocatedKVCache, shared_length, trim_caches
 from engine.models.taps import FeatureTap
 
 # at most 1 GiB (three full 8k-token windows of the demo model at 46 KB a position in
@@ -133,31 +133,50 @@ class PrefixStore:
         that would lose most of its rows is parked before they go. Either way not when the
         prompt goes on from the live cache's end: that conversation moved on."""
         n = min(shared_length(held, prompt_ids), limit)
-        if min(self.best(prompt_ids), limit) > n:
+        entry, shared = self._closest(prompt_ids)
+        if entry is not None and min(shared, limit) > n:
             if not carries_on(held, prompt_ids):
                 self.park(held, caches, taps, keep=0)
-            held = self.take(prompt_ids, caches, taps)
-            n = min(shared_length(held, prompt_ids), limit)
+            self._load(entry, caches, taps)
+            n = min(shared, limit)
         elif len(held) - n > n and not carries_on(held, prompt_ids):
             self.park(held, caches, taps, keep=n)
+        trim_caches(caches, n)
         return n
 
     def best(self, prompt_ids: Sequence[int]) -> int:
         """The longest prefix of `prompt_ids` a parked cache holds (0 when none)."""
-        return max((shared_length(e.ids, prompt_ids) for e in self._entries), default=0)
+        return self._closest(prompt_ids)[1]
 
     def take(self, prompt_ids: Sequence[int], caches: Sequence[PreallocatedKVCache],
              taps: Sequence[FeatureTap]) -> tuple[int, ...]:
         """Load the parked cache sharing the longest prefix with `prompt_ids` into `caches`
         and `taps` (it leaves the store); returns its ids. The caches' own rows are
         dropped: park them first if they are worth keeping."""
-        entry = max(reversed(self._entries), key=lambda e: shared_length(e.ids, prompt_ids))
+        entry, _ = self._closest(prompt_ids)
+        if entry is None:
+            raise KeyError("no parked cache to take")
+        self._load(entry, caches, taps)
+        return entry.ids
+
+    def _closest(self, prompt_ids: Sequence[int]) -> tuple[Parked | None, int]:
+        """The parked cache sharing the longest prefix with `prompt_ids` (the most recently
+        parked of equals), and that prefix's length."""
+        best: tuple[Parked | None, int] = (None, 0)
+        for e in reversed(self._entries):
+            shared = shared_length(e.ids, prompt_ids)
+            if shared > best[1]:
+                best = (e, shared)
+        return best
+
+    def _load(self, entry: Parked, caches: Sequence[PreallocatedKVCache],
+              taps: Sequence[FeatureTap]) -> None:
+        """Move `entry` out of the store into `caches` and `taps`."""
         self._entries.remove(entry)
         for c, layer in zip(caches, entry.layers, strict=True):
             c.keys, c.values, c.offset = layer.keys, layer.values, layer.offset
         for t in taps:
             t.chunks = next((chunks for owner, chunks in entry.taps if owner is t), [])
-        return entry.ids
 
     def clear(self) -> None:
         self._entries = []

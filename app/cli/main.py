@@ -221,8 +221,8 @@ def _prompt_read(stats) -> str:
     """The chat stats line's prompt time: the wait before the first token, and how much of
     the prompt the cache already held (all of an earlier turn, or a conversation come back
     to: `engine.prefix_store`)."""
-    cached = stats.prompt_tokens - stats.prefilled_tokens
-    held = f" ({cached:,} of {stats.prompt_tokens:,} tokens cached)" if cached > 0 else ""
+    cached = stats.cached_tokens
+    held = f" ({cached:,} of {stats.prompt_tokens:,} tokens cached)" if cached else ""
     return f"prompt {stats.prompt_s:.2f} s{held}"
 
 

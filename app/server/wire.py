@@ -21,12 +21,10 @@ def finish_reason(stats: Stats) -> str:
 
 
 def usage(stats: Stats) -> dict[str, Any]:
-    """OpenAI's usage object; `cached_tokens`: the prompt tokens the engine did not read
-    again (an earlier turn's, or a conversation it parked: `engine.prefix_store`)."""
+    """OpenAI's usage object, `cached_tokens` included (`Stats.cached_tokens`)."""
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {
-                "cached_tokens": max(stats.prompt_tokens - stats.prefilled_tokens, 0)}}
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
 
 
 def step_extension(step: Step) -> dict[str, Any]:

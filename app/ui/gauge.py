@@ -215,11 +215,10 @@ class GaugeWidget(QWidget):
         if not stats.prompt_tokens:
             return
         self.prompt_label.setText(f"{stats.prompt_s:.2f} s")
-        cached = stats.prompt_tokens - stats.prefilled_tokens
         tip = (f"read {stats.prefilled_tokens:,} of the prompt's {stats.prompt_tokens:,} "
                f"tokens in {stats.prompt_s:.2f} s")
-        if cached > 0:
-            tip += f"; the other {cached:,} were already in the cache"
+        if stats.cached_tokens:
+            tip += f"; the other {stats.cached_tokens:,} were already in the cache"
         self.prompt_label.setToolTip(tip)
 
     def _show_context(self, stats: Stats) -> None:

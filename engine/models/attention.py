@@ -163,18 +163,19 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     group = H // n_kv
     scores = (q * scale).reshape(B, n_kv, group * L, d) @ k.swapaxes(-1, -2)
     if isinstance(mask, str) and mask == "causal" and _on_host(scores):
-        return (host_softmax(scores, causal=L).astype(v.dtype) @ v).reshape(B, H, L, d)
-    if mask is not None:
-        if isinstance(mask, str):
-            if mask != "causal":
-                raise ValueError(f"unknown attention mask {mask!r}")
-            mask = mx.arange(S)[None, :] <= (S - L + mx.arange(L))[:, None]
-        grid = scores.reshape(B, n_kv, group, L, S)
-        m = _grouped(mask, n_kv, group)
-        grid = mx.where(m, grid, -mx.inf) if m.dtype == mx.bool_ else grid + m
-        scores = grid.reshape(B, n_kv, group * L, S)
-    weights = softmax_last(scores).astype(v.dtype)
-    return (weights @ v).reshape(B, H, L, d)
+        weights = host_softmax(scores, causal=L)  # masked there, on the last L keys only
+    else:
+        if mask is not None:
+            if isinstance(mask, str):
+                if mask != "causal":
+                    raise ValueError(f"unknown attention mask {mask!r}")
+                mask = mx.arange(S)[None, :] <= (S - L + mx.arange(L))[:, None]
+            grid = scores.reshape(B, n_kv, group, L, S)
+            m = _grouped(mask, n_kv, group)
+            grid = mx.where(m, grid, -mx.inf) if m.dtype == mx.bool_ else grid + m
+            scores = grid.reshape(B, n_kv, group * L, S)
+        weights = softmax_last(scores)
+    return (weights.astype(v.dtype) @ v).reshape(B, H, L, d)
 
 
 def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
