@@ -17,6 +17,7 @@ import mlx.nn as nn
 from engine.cache import KVCache
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.models.attention import attention
+from engine.models.rope import rope_table
 from engine.models.taps import Capture, FeatureTap, FeatureTaps
 from kernels import dispatch
 
@@ -198,6 +199,7 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         self._freqs = rope_frequencies(args)
         self._base = None if self._freqs is not None else args.rope_theta
+        self._table = rope_table(self.head_dim, self._base, self._freqs)
 
     def __call__(
         self, x: mx.array, mask: mx.array | str | None = None, cache: KVCache | None = None,
@@ -223,8 +225,15 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _rope(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
-        """RoPE over (B, heads, L, head_dim) at offset.., or at `positions` per row: the rows
-        go through the same kernel as a batch of one-row sequences with their own offsets."""
+        """RoPE over (B, heads, L, head_dim) at offset.., or at `positions` per row: on the
+        CPU from a cos/sin table (`engine.models.rope`: MLX's CPU kernel works the angles
+        out on every call); on a GPU the fused kernel, where a tree's rows go through it as
+        a batch of one-row sequences with their own offsets."""
+        if mx.default_device().type == mx.DeviceType.cpu:
+            return self._table.apply(x, offset, positions)
+        return self._fused_rope(x, offset, positions)
+
+    def _fused_rope(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
         if positions is None:
             return mx.fast.rope(x, self.head_dim, traditional=False, base=self._base,
                                 scale=1.0, offset=offset, freqs=self._freqs)
