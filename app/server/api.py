@@ -182,6 +182,8 @@ class _Api:
                            param="drafter")
         try:
             sampling = SamplingParams(temperature=req.temperature, top_p=req.top_p,
+                                      top_k=req.top_k, min_p=req.min_p,
+                                      repetition_penalty=req.repetition_penalty,
                                       seed=req.seed)
             return GenerateOptions(max_tokens=req.max_tokens or window - n_prompt,
                                    sampling=sampling, stop=req.stop, drafter=drafter,

@@ -74,6 +74,9 @@ Temperature = Annotated[float, Field(ge=0.0, le=2.0)] | None
 TopP = Annotated[float, Field(gt=0.0, le=1.0)] | None
 Seed = Annotated[StrictInt, Field(ge=0, lt=2**64)] | None
 MaxTokens = Annotated[StrictInt, Field(ge=1)] | None
+TopK = Annotated[StrictInt, Field(ge=0)] | None
+MinP = Annotated[float, Field(ge=0.0, le=1.0)] | None
+RepetitionPenalty = Annotated[float, Field(gt=0.0)] | None
 
 
 class _Common(_Strict):
@@ -91,6 +94,13 @@ class _Common(_Strict):
     drafter: Literal[DRAFTER_CHOICES] | None = None  # extension: per-request drafter
     # extension: pin the draft length instead of letting the cost model choose it per step
     draft_k: Annotated[StrictInt, Field(ge=1, le=K_MAX)] | None = None
+    # extensions local clients send (vLLM's names; llama.cpp's server calls the penalty
+    # `repeat_penalty`, taken too): the engine honours each, and ignoring one would answer
+    # something the client did not ask for. Off by default: 0, 0 and 1.
+    top_k: TopK = None
+    min_p: MinP = None
+    repetition_penalty: RepetitionPenalty = None
+    repeat_penalty: RepetitionPenalty = None
 
 
 class ChatBody(_Common):
@@ -142,6 +152,9 @@ class GenerationRequest:
     drafter: str | None  # None: the server's default
     draft_k: int | None = None  # None: the policy chooses each step's draft length
     continue_final: bool = False  # chat: the reply continues the last (assistant) message
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0  # 0: off
+    repetition_penalty: float = 1.0  # 1: off
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -209,7 +222,19 @@ def _common(body: _Common, endpoint: str, max_tokens: int | None,
         stop=_stop(body.stop), stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         drafter=body.drafter, draft_k=body.draft_k,
+        top_k=body.top_k or 0,
+        min_p=0.0 if body.min_p is None else float(body.min_p),
+        repetition_penalty=_repetition_penalty(body),
     )
+
+
+def _repetition_penalty(body: _Common) -> float:
+    """The penalty under either name; two different values are a client's mistake."""
+    given = {v for v in (body.repetition_penalty, body.repeat_penalty) if v is not None}
+    if len(given) > 1:
+        raise ApiError(422, "repetition_penalty and repeat_penalty name the same setting "
+                       "and differ: send one", param="repeat_penalty", code="invalid_value")
+    return float(given.pop()) if given else 1.0
 
 
 def parse_chat(data: dict[str, Any]) -> GenerationRequest:

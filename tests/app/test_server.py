@@ -188,6 +188,26 @@ def test_seed_determinism_and_speculation_is_lossless(client: openai.OpenAI,
         assert stats["drafted"] > 0, drafter  # speculation really ran
 
 
+def test_sampling_extensions_are_honoured_and_stay_lossless(client: openai.OpenAI,
+                                                             card: ModelCard) -> None:
+    """top_k, min_p and the repetition penalty (under both names) reach the sampler: each
+    changes the reply from the plain default, and speculation still matches plain."""
+    def run(drafter: str, **extra) -> str:
+        reply = client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": "the cat sat on the mat"}],
+            max_tokens=40, temperature=0.9, seed=5,
+            extra_body={"drafter": drafter, "draft_k": 3, **extra})
+        return reply.choices[0].message.content
+
+    default = run("none")
+    assert run("none", top_k=0, min_p=0.0, repetition_penalty=1.0) == default  # the offs
+    for extra in ({"top_k": 1}, {"min_p": 0.5}, {"repetition_penalty": 3.0}):
+        plain = run("none", **extra)
+        assert plain != default, extra  # the field was not ignored
+        assert run("model", **extra) == plain, extra
+    assert run("none", repeat_penalty=3.0) == run("none", repetition_penalty=3.0)
+
+
 def test_follow_up_prefills_only_new_tokens(client: openai.OpenAI, card: ModelCard) -> None:
     """An editor's follow-up repeating the file reuses the cached prefix."""
     file = "def add(a, b):\n    return a + b\n" * 30
@@ -383,6 +403,15 @@ BAD_INPUT = [
     ("unknown drafter", "/v1/chat/completions", _chat(drafter="oracle"), 422, "drafter"),
     ("draft_k beyond K_MAX", "/v1/chat/completions", _chat(draft_k=99), 422, "draft_k"),
     ("draft_k not an int", "/v1/chat/completions", _chat(draft_k="4"), 422, "draft_k"),
+    ("top_k negative", "/v1/chat/completions", _chat(top_k=-1), 422, "top_k"),
+    ("top_k not an int", "/v1/chat/completions", _chat(top_k=2.5), 422, "top_k"),
+    ("min_p above 1", "/v1/chat/completions", _chat(min_p=1.5), 422, "min_p"),
+    ("repetition_penalty zero", "/v1/chat/completions", _chat(repetition_penalty=0), 422,
+     "repetition_penalty"),
+    ("repeat_penalty negative", "/v1/chat/completions", _chat(repeat_penalty=-1.1), 422,
+     "repeat_penalty"),
+    ("both penalty names, different values", "/v1/chat/completions",
+     _chat(repetition_penalty=1.1, repeat_penalty=1.3), 422, "repeat_penalty"),
     ("tools refused", "/v1/chat/completions",
      _chat(tools=[{"type": "function", "function": {"name": "f"}}]), 400, "tools"),
     ("n > 1 refused", "/v1/chat/completions", _chat(n=2), 400, "n"),
