@@ -30,7 +30,7 @@ from PySide6.QtWidgets import (
 
 from app.hub.model_choices import available_models, draft_incompatibility
 from app.ui.controller import ChatController
-from app.ui.worker import DRAFTER_MODES, ChatSettings, ModelInfo
+from app.ui.worker import DRAFTER_MODES, REPEAT_PENALTY_RANGE, ChatSettings, ModelInfo
 from engine.choices import ACCEPT_RULES, TREE_MODES
 from engine.tuning import K_MAX
 
@@ -96,6 +96,12 @@ class SettingsPanel(QWidget):
         self.top_k.setRange(0, 100000)
         self.top_k.setSpecialValueText("off")
         self.min_p = _double(0.0, 1.0, 0.01, 2)
+        self.repetition_penalty = _double(*REPEAT_PENALTY_RANGE, 0.05, 2)
+        self.repetition_penalty.setSpecialValueText("off")  # at the minimum, 1
+        self.repetition_penalty.setToolTip(
+            "Repeat penalty: above 1 makes tokens of the last 64 (the prompt's included) less "
+            "likely. 1.1 breaks a small model's loops; it also works against code edits, which "
+            "repeat their input. 1 = off")
         self.max_tokens = QSpinBox()
         self.max_tokens.setRange(1, 131072)
         self.seed = QSpinBox()
@@ -141,6 +147,7 @@ class SettingsPanel(QWidget):
         form.addRow("Top-p", self.top_p)
         form.addRow("Top-k", self.top_k)
         form.addRow("Min-p", self.min_p)
+        form.addRow("Repeat penalty", self.repetition_penalty)
         form.addRow("Max tokens", self.max_tokens)
         form.addRow("Seed", self.seed)
         form.addRow("My chats", self.learn_check)
@@ -161,6 +168,7 @@ class SettingsPanel(QWidget):
                        self.tree_combo.currentIndexChanged,
                        self.k_auto.toggled, self.k_spin.valueChanged, self.temperature.valueChanged,
                        self.top_p.valueChanged, self.top_k.valueChanged, self.min_p.valueChanged,
+                       self.repetition_penalty.valueChanged,
                        self.max_tokens.valueChanged, self.seed.valueChanged,
                        self.learn_check.toggled, self.improve_check.toggled,
                        self.system_prompt.textChanged):
@@ -187,6 +195,7 @@ class SettingsPanel(QWidget):
             top_p=self.top_p.value(),
             top_k=self.top_k.value(),
             min_p=self.min_p.value(),
+            repetition_penalty=self.repetition_penalty.value(),
             max_tokens=self.max_tokens.value(),
             seed=self.seed.value(),
             system_prompt=self.system_prompt.toPlainText(),
@@ -210,6 +219,7 @@ class SettingsPanel(QWidget):
             self.top_p.setValue(s.top_p)
             self.top_k.setValue(s.top_k)
             self.min_p.setValue(s.min_p)
+            self.repetition_penalty.setValue(s.repetition_penalty)
             self.max_tokens.setValue(s.max_tokens)
             self.seed.setValue(s.seed)
             self.learn_check.setChecked(s.learn_from_chats)

@@ -52,6 +52,9 @@ class ChatSettings:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # 1 = off. Small models at temperature 0 fall into loops a mild penalty (1.1) breaks;
+    # it is off by default because it also penalizes what code edits must repeat
+    repetition_penalty: float = 1.0
     max_tokens: int = 512
     seed: int = 0
     system_prompt: str = ""
@@ -95,11 +98,17 @@ class ChatSettings:
         from engine.sampling import SamplingParams
 
         sampling = SamplingParams(temperature=self.temperature, top_k=self.top_k,
-                                  top_p=self.top_p, min_p=self.min_p, seed=self.seed)
+                                  top_p=self.top_p, min_p=self.min_p,
+                                  repetition_penalty=self.repetition_penalty, seed=self.seed)
         return GenerateOptions(max_tokens=self.max_tokens, sampling=sampling,
                                drafter="none" if plain else self.engine_drafter,
                                k=self.k, accept=self.accept, tree=self.tree)
 
+
+# the panel's range for the repetition penalty: 1 (off) and up, as other chat apps offer it;
+# the engine takes any positive value, but a saved one the panel cannot show would be used
+# while the panel said otherwise
+REPEAT_PENALTY_RANGE = (1.0, 3.0)
 
 # settings the engine never sees as such (the rest are checked by the engine's own rules)
 TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
@@ -109,6 +118,8 @@ TYPE_CHECKS: dict[str, Callable[[Any], bool]] = {
     "system_prompt": lambda v: isinstance(v, str),
     "learn_from_chats": lambda v: isinstance(v, bool),
     "improve_drafter": lambda v: isinstance(v, bool),
+    "repetition_penalty": lambda v: (isinstance(v, int | float) and not isinstance(v, bool)
+                                     and REPEAT_PENALTY_RANGE[0] <= v <= REPEAT_PENALTY_RANGE[1]),
 }
 
 

@@ -423,6 +423,32 @@ def test_comparison_runs_both_ways_and_reports_identical(qtbot, make_gui, tiny_p
     assert len(gui.store.messages(gui.controller.conversation_id)) == 2
 
 
+def test_repeat_penalty_from_the_panel_changes_the_reply_and_stays_lossless(
+        qtbot, make_gui, tiny_pair) -> None:
+    """The panel's repeat penalty reaches the sampler of both runs of a comparison: the
+    text differs from the unpenalized one (the tiny target loops at T = 0), speculative and
+    plain still agree, and the reply keeps the setting it was made with."""
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=40))
+    panel = gui.window.settings_panel
+    assert panel.repetition_penalty.value() == 1.0
+    assert panel.repetition_penalty.text() == "off"
+    texts = []
+    for penalty in (1.0, 2.0):
+        panel.repetition_penalty.setValue(penalty)
+        assert gui.controller.settings.repetition_penalty == penalty
+        gui.controller.new_conversation()  # the same prompt from the same start
+        with qtbot.waitSignal(gui.controller.comparison_finished, timeout=TIMEOUT) as blocker:
+            assert gui.controller.send("Tell me about cats", compare=True)
+        wait_idle(qtbot, gui)
+        result = blocker.args[0]
+        assert result.identical and result.speculative.n_drafted > 0
+        texts.append(result.plain_text)
+        reply = gui.store.messages(gui.controller.conversation_id)[-1]
+        assert reply.settings["repetition_penalty"] == penalty
+    assert texts[0] != texts[1]
+
+
 def test_comparison_is_a_race_both_texts_arrive_at_once(qtbot, make_gui, tiny_pair,
                                                           monkeypatch) -> None:
     """The two runs take turns (one step each here), so plain steps arrive while the
@@ -614,7 +640,7 @@ def test_unusable_saved_settings_open_with_defaults(qtbot, make_gui, tiny_pair,
     bad = {"draft": ["x"], "drafter": "bogus", "k": K_MAX + 1, "accept": None, "tree": 3,
            "temperature": "hot", "top_p": -2, "top_k": 1.5, "min_p": float("nan"),
            "max_tokens": -5, "seed": "s", "system_prompt": 12, "learn_from_chats": "yes",
-           "improve_drafter": 2}
+           "improve_drafter": 2, "repetition_penalty": 0.5}  # below what the panel can show
     good = {"target": str(tiny_pair[0]), "max_tokens": 3}
     qs = QSettings(str(tmp_path / "saved.ini"), QSettings.Format.IniFormat)
     for case, want in ((bad, ChatSettings()), ({**bad, **good}, ChatSettings(**good))):
@@ -640,8 +666,8 @@ def test_the_longest_draft_the_panel_offers_is_one_the_engine_runs(qtbot, make_g
     assert panel.k_spin.maximum() == K_MAX
     panel.k_auto.setChecked(False)
     # every end of every range the panel offers is one the engine takes (top-p went to 0)
-    for box in (panel.temperature, panel.top_p, panel.top_k, panel.min_p, panel.max_tokens,
-                panel.seed, panel.k_spin):
+    for box in (panel.temperature, panel.top_p, panel.top_k, panel.min_p,
+                panel.repetition_penalty, panel.max_tokens, panel.seed, panel.k_spin):
         for end in (box.minimum(), box.maximum()):
             box.setValue(end)
             gui.controller.settings.to_options()  # raises EngineError for a refused value
