@@ -20,12 +20,15 @@ from engine.choices import ACCEPT_RULES, DRAFTERS, TREE_MODES
 
 
 def _add_model_args(p: argparse.ArgumentParser,
-                    drafter_help: str = "speculative drafter (default: none = plain decoding)",
+                    drafter_help: str = "speculative drafter (default: auto, the drafters "
+                    "weighed by their measured costs and acceptance; none = plain decoding)",
                     ) -> None:
     p.add_argument("--model", default="demo",
                    help="model folder, HF repo id in the local HF cache, or 'demo' (default)")
     p.add_argument("--draft", default=None, help="draft model for --drafter model/auto")
-    p.add_argument("--drafter", default="none",
+    # auto, as in the app and `serve`: the text is plain decoding's either way (the coupled
+    # rule), and auto drafts only where its measurements say a draft pays
+    p.add_argument("--drafter", default="auto",
                    choices=DRAFTERS,
                    help=drafter_help)
     p.add_argument("--k", default="auto", help="draft length: 'auto' (adaptive) or a number")
@@ -86,7 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure plain vs speculative decoding")
     _add_model_args(bench, "the spec mode's drafter (default: auto, the drafters weighed "
                     "by their measured costs and acceptance)")
-    bench.set_defaults(drafter="auto")
     bench.add_argument("--prompts", type=Path, default=None,
                        help="JSON lines {id, category, messages}; default: the bundled set")
     bench.add_argument("--modes", default="plain,spec",

@@ -77,6 +77,19 @@ def test_generate_streams_text(chain: Path, capsys: pytest.CaptureFixture[str]) 
     assert "12 tokens" in err and "eos" in err
 
 
+def test_generate_speculates_by_default_with_plain_decodings_text(
+        chain: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --drafter, generate drafts as the app and `serve` do (auto): a reply that
+    copies its prompt is drafted by prompt lookup, and the text is plain decoding's."""
+    prompt = ["--model", str(chain), "--prompt", f"Say this: {CHAIN_TEXT}"]
+    default = gen_json(capsys, *prompt)
+    plain = gen_json(capsys, *prompt, "--drafter", "none")
+    assert default["text"] == plain["text"] == CHAIN_TEXT
+    assert plain["stats"]["drafted"] == 0  # the control
+    assert default["stats"]["accepted"] > 0
+    assert default["stats"]["target_passes"] < plain["stats"]["target_passes"]
+
+
 def test_generate_json_shape(chain: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = gen_json(capsys, "--model", str(chain), "--prompt", "Hi")
     assert set(result) == {"text", "tokens", "stats"}
