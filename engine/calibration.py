@@ -72,12 +72,14 @@ def loaded_blas(maps: Path = Path("/proc/self/maps")) -> str:
 
 def weight_form(model) -> str:
     """What the backend's weight policy made of the checkpoint: the dtypes its parameters
-    are held in ("float32", "float16+uint32", ...), and "/col-major" where its matrices
-    were laid out for the CPU (`store_column_major`), which changes every width's cost
-    unevenly."""
+    are held in ("float32", "float16+uint32", ...), and "/col-major" or "/row-major" where
+    the CPU policy chose how its matrices are laid out (`engine.layout`), which changes
+    every width's cost unevenly. A table timed before that choice existed (no suffix) is
+    not reused."""
     dtypes = "+".join(sorted({str(v.dtype).removeprefix("mlx.core.")
                               for _, v in tree_flatten(model.parameters())}))
-    return dtypes + ("/col-major" if getattr(model, "column_major", False) else "")
+    layout = {"column": "/col-major", "row": "/row-major"}
+    return dtypes + layout.get(getattr(model, "weight_layout", None), "")
 
 
 def calibration_key(target_path: Path, target_model, draft_path: Path | None,

@@ -37,6 +37,7 @@ class BlasInfo:
     path: str | None
     gflops: float
     kernels: tuple[str, ...] = ()  # which OpenBLAS kernels run, and a hint where it fell back
+    layout: str = ""  # the weight layout the CPU policy would choose here, and why
 
 
 @dataclass
@@ -58,6 +59,8 @@ class DoctorReport:
             if self.blas.path:
                 out.append(f"  library: {self.blas.path}")
             out.extend(f"  {line}" for line in self.blas.kernels)
+            if self.blas.layout:
+                out.append(f"  {self.blas.layout}")
         if self.backend != "metal":
             out.append("kernels: no Metal: references in use")
             return out
@@ -115,7 +118,27 @@ def blas_info() -> BlasInfo | None:
         else:
             name, path = "unknown", None
     kernels = _kernels_said() if name.startswith("OpenBLAS") else ()
-    return BlasInfo(name, path, _matmul_gflops(), kernels)
+    return BlasInfo(name, path, _matmul_gflops(), kernels, _layout_said())
+
+
+def _layout_said() -> str:
+    """The CPU policy's layout probe (`engine.layout`) on matrices of a small model's
+    shapes (the demo's), so a machine's choice can be read without loading one."""
+    from engine.layout import PROBE_BYTES, measure, requested_layout
+
+    pinned = requested_layout()
+    if pinned is not None:
+        return f"weight layout: {pinned}-major (pinned by UNDERSTUDY_WEIGHT_LAYOUT)"
+    shapes = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
+              (576, 1536))
+    per_layer = sum(r * c * 4 for r, c in shapes)
+    mats = [mx.random.normal(shape) for _ in range(-(-PROBE_BYTES // per_layer))
+            for shape in shapes]
+    mx.eval(mats)
+    probe = measure(mats)
+    return (f"weight layout: {probe.layout}-major (a model's products at 1 and 4 rows: "
+            f"{probe.row_s * 1e3:.1f} ms row-major, {probe.column_s * 1e3:.1f} ms "
+            "column-major)")
 
 
 def _kernels_said() -> tuple[str, ...]:

@@ -22,8 +22,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from engine.errors import EngineError, ModelFormatError
+from engine.layout import choose_layout
 from engine.models import Model, ModelArgs
-from engine.models.decoder import store_column_major
+from engine.models.decoder import product_modules, store_column_major
 from engine.weights import (
     QuantSpec,
     TensorInfo,
@@ -360,7 +361,9 @@ def load_weights(
     Backend policy: "metal" and "cuda" keep weights as stored (quantized layers stay
     `nn.QuantizedLinear`/`QuantizedEmbedding`, fp16/bf16 stay so); "cpu" dequantizes them
     and casts every float to float32, because quantized and half-precision matmuls are slow
-    on MLX's CPU backend, and holds the matrices column-major (`store_column_major`). `backend` picks the policy (default: the device MLX runs on).
+    on MLX's CPU backend, and holds the matrices in the layout this machine's BLAS multiplies
+    fastest (`engine.layout`: column-major, `store_column_major`, or as stored). `backend`
+    picks the policy (default: the device MLX runs on).
     `memory_budget` (bytes) replaces the measured available memory in the pre-load check.
     `on_progress(done_bytes, total_bytes)` is called after each tensor is read.
     The returned config is config.json with `tie_word_embeddings` as decided.
@@ -388,7 +391,10 @@ def load_weights(
     mx.eval(model.parameters())
     if checked.plan.dequantize:
         weights.clear()  # the model holds the only reference, so each copy frees its original
-        store_column_major(model)
+        if choose_layout([m.weight for m in product_modules(model)]) == "column":
+            store_column_major(model)
+        else:
+            model.weight_layout = "row"
     config = dict(checked.config)
     config["tie_word_embeddings"] = bool(checked.args.tie_word_embeddings)
     return model, config

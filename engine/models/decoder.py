@@ -141,27 +141,34 @@ class Linear(nn.Linear):
         return QuantizedLinear.from_linear(self, group_size, bits, mode)
 
 
+def product_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules whose float `weight` a pass multiplies by: each `nn.Linear`, and a tied
+    embedding, which is also the output layer (quantized ones excluded)."""
+    tied = "lm_head" not in model and "model" in model and "embed_tokens" in model["model"]
+    return [module for _, module in model.named_modules()
+            if (isinstance(module, nn.Linear)
+                or (tied and module is model["model"]["embed_tokens"]))
+            and "scales" not in module and mx.issubdtype(module.weight.dtype, mx.floating)]
+
+
 def store_column_major(model: nn.Module) -> None:
-    """Hold every float matrix a pass multiplies by (each `nn.Linear` weight, and a tied
-    embedding, which is also the output layer) column-major: the same values and shape,
-    laid out as the transpose's rows. Sets `model.column_major`.
+    """Hold every float matrix a pass multiplies by (`product_modules`) column-major: the
+    same values and shape, laid out as the transpose's rows. Sets `model.weight_layout`.
 
     Why: a layer computes x @ W.T. With W row-major, MLX's CPU backend hands BLAS a
-    transposed operand, and OpenBLAS is much slower on that: on the demo with the system
-    OpenBLAS, a 1-row pass took ~1.25x and a 2-3 row pass ~1.2x as long as with W.T
-    row-major, where BLAS reads the weight as stored (and ~1.45x with the W @ x.T order
-    for 2-3 rows that this replaces). Same products: with OpenBLAS the logits are
-    bit-identical (tested). An embedding lookup reads a column-major row as cheaply. Each
-    matrix is copied and released in turn, so loading peaks at one extra one.
+    transposed operand, and OpenBLAS's Haswell kernels are much slower on that: on the demo
+    with the system OpenBLAS, a 1-row pass took ~1.25x and a 2-3 row pass ~1.2x as long as
+    with W.T row-major, where BLAS reads the weight as stored (and ~1.45x with the W @ x.T
+    order for 2-3 rows that this replaces). Its SkylakeX-family kernels are the other way
+    round, so the CPU policy measures which layout to hold (`engine.layout`). Same products:
+    with OpenBLAS's Prescott kernels the logits are bit-identical (tested), with others
+    they agree to float32 rounding. An embedding lookup reads a column-major row as
+    cheaply. Each matrix is copied and released in turn, so loading peaks at one extra one.
     """
-    tied = "lm_head" not in model and "model" in model and "embed_tokens" in model["model"]
-    for _, module in model.named_modules():
-        if isinstance(module, nn.Linear) or (tied and module is model["model"]["embed_tokens"]):
-            if "scales" in module or not mx.issubdtype(module.weight.dtype, mx.floating):
-                continue
-            module.weight = mx.contiguous(module.weight.T).T
-            mx.eval(module.weight)
-    model.column_major = True
+    for module in product_modules(model):
+        module.weight = mx.contiguous(module.weight.T).T
+        mx.eval(module.weight)
+    model.weight_layout = "column"
 
 
 class QuantizedLinear(nn.QuantizedLinear):
@@ -304,7 +311,9 @@ class Backbone(nn.Module):
 class Model(nn.Module):
     """Token ids (B, L) -> logits (B, L, vocab)."""
 
-    column_major = False  # its matrices laid out by `store_column_major` (a cost key's part)
+    # how the CPU policy laid its matrices out (`engine.layout`): "column"
+    # (`store_column_major`) or "row"; None: as the checkpoint stores them. A cost key's part
+    weight_layout: str | None = None
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -315,6 +324,10 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         # a plain object attribute (not a module child): taps are run-time state, no weights
         self.feature_taps = FeatureTaps()
+
+    @property
+    def column_major(self) -> bool:
+        return self.weight_layout == "column"
 
     @property
     def n_layers(self) -> int:

@@ -213,33 +213,37 @@ def is_column_major(w: mx.array) -> bool:
 
 
 @pytest.mark.parametrize("case", ["llama-gqa-tied", "qwen2-fp16-untied", "llama-q4"])
-def test_the_cpu_policy_holds_every_matrix_column_major(
-        model_dirs: dict[str, Path], case: str) -> None:
-    """Every matrix a pass multiplies by, the tied embedding too; vectors stay as they are.
-    The stored policy keeps the checkpoint's layout."""
-    model, _ = load_weights(model_dirs[case], backend="cpu")
-    assert model.column_major
-    mats = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
-    assert len(mats) == 7 * model.n_layers + ("lm_head" in model)
-    if "lm_head" not in model:
-        mats.append(model.model.embed_tokens.weight)
-    assert all(is_column_major(w) for w in mats)
-    if "lm_head" in model:  # an untied embedding is only looked up: left as stored
-        assert not is_column_major(model.model.embed_tokens.weight)
+def test_the_cpu_policy_holds_every_matrix_in_the_chosen_layout(
+        model_dirs: dict[str, Path], case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Column-major: every matrix a pass multiplies by, the tied embedding too; vectors stay
+    as they are. Row-major: as stored. Measured (auto): one or the other, whole. The stored
+    policy keeps the checkpoint's layout and chooses nothing."""
+    for pinned in ("column", "row", "auto"):
+        monkeypatch.setenv("UNDERSTUDY_WEIGHT_LAYOUT", pinned)
+        model, _ = load_weights(model_dirs[case], backend="cpu")
+        assert model.weight_layout in (("row", "column") if pinned == "auto" else (pinned,))
+        mats = [m.weight for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+        assert len(mats) == 7 * model.n_layers + ("lm_head" in model)
+        if "lm_head" not in model:
+            mats.append(model.model.embed_tokens.weight)
+        assert [is_column_major(w) for w in mats] == [model.column_major] * len(mats)
+        if "lm_head" in model:  # an untied embedding is only looked up: left as stored
+            assert not is_column_major(model.model.embed_tokens.weight)
     stored, _ = load_weights(model_dirs[case], backend="metal")
-    assert not stored.column_major
+    assert stored.weight_layout is None and not stored.column_major
     if "quantize" not in CASES[case]:
         assert not is_column_major(stored.model.layers[0].mlp.up_proj.weight)
 
 
 @pytest.mark.parametrize("case", ["llama-gqa-tied", "qwen2-bias", "llama-mha-untied"])
 def test_column_major_matrices_give_the_same_logits(
-        model_dirs: dict[str, Path], case: str) -> None:
+        model_dirs: dict[str, Path], case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The layout changes what a pass costs, not what it computes: prefill and verify-style
     chunks of 1, 2, 3 and 9 rows, against the same weights held row-major, agree to float32
     rounding and pick the same tokens. (OpenBLAS's Prescott kernels happen to sum both
     operand orders alike, bit for bit; its SkylakeX kernels and MLX's bundled reference BLAS
     differ in the last bits.)"""
+    monkeypatch.setenv("UNDERSTUDY_WEIGHT_LAYOUT", "column")
     laid_out, _ = load_weights(model_dirs[case], backend="cpu")
     plain = Model(laid_out.args)
     plain.update(tree_map(mx.contiguous, laid_out.parameters()))

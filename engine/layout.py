@@ -1,0 +1,106 @@
+"""Which memory layout of its weight matrices makes this machine's CPU passes fastest.
+
+A layer computes x @ W.T. Held row-major (as a checkpoint stores it), W.T reaches BLAS as a
+transposed operand; held column-major (`store_column_major`), it reaches BLAS as stored. Which
+of the two OpenBLAS runs faster depends on the kernels it picked for the CPU: with its
+Haswell kernels a 1-row pass of the demo took ~1.25x as long row-major, and with its
+Cooperlake (SkylakeX-family) kernels the reverse, 65 ms column-major against 49 row-major
+(the whole pass; 16 rows 93 against 87). So the CPU policy measures the model's own
+products both ways when it loads, instead of fixing one layout for every machine.
+
+The probe multiplies matrices from across the model (enough bytes to stream from memory, as
+a pass does, not from cache) at 1 and 4 rows, alternating the layouts, and keeps each
+layout's best time. Column-major stays unless row-major is clearly faster (`MARGIN`): on a
+machine where the two are close, a noisy probe must not flip the layout from one load to
+the next (each layout has its own cost table: `calibration.weight_form`).
+`UNDERSTUDY_WEIGHT_LAYOUT=row|column` skips the probe.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+log = logging.getLogger(__name__)
+
+ENV = "UNDERSTUDY_WEIGHT_LAYOUT"
+LAYOUTS = ("row", "column")
+# bytes of weights a probe streams per sweep: past any CPU's last-level cache, as a pass is
+PROBE_BYTES = 96 * 2**20
+PROBE_ROWS = (1, 4)  # a plain step and a typical verify pass
+PROBE_REPEATS = 3
+# row-major must be this much faster to replace the default
+MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class LayoutProbe:
+    """Seconds per sweep of the probe's products (every PROBE_ROWS width), each layout."""
+
+    row_s: float
+    column_s: float
+
+    @property
+    def layout(self) -> str:
+        return "row" if self.row_s * (1 + MARGIN) < self.column_s else "column"
+
+
+def requested_layout() -> str | None:
+    """The layout the user pinned with UNDERSTUDY_WEIGHT_LAYOUT, or None (measure)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if not value or value == "auto":
+        return None
+    if value not in LAYOUTS:
+        log.warning("%s=%r is not one of row, column, auto: measuring instead", ENV, value)
+        return None
+    return value
+
+
+def probe_matrices(matrices: Sequence[mx.array]) -> list[mx.array]:
+    """Matrices spread across the model, PROBE_BYTES of them (all when the model is smaller):
+    every k-th, so the probe sees each kind of product the model runs."""
+    total = sum(m.nbytes for m in matrices)
+    step = max(1, int(total // PROBE_BYTES))
+    return list(matrices[::step])
+
+
+def measure(matrices: Sequence[mx.array]) -> LayoutProbe:
+    """Time x @ W.T over `matrices` (row-major, as loaded) and their column-major copies.
+
+    The copies exist only during the probe."""
+    row = list(matrices)
+    column = [mx.contiguous(w.T).T for w in row]
+    mx.eval(column)
+    inputs = {(n, d): mx.random.normal((n, d), key=mx.random.key(n))
+              for n in PROBE_ROWS for d in {w.shape[1] for w in row}}
+    mx.eval(list(inputs.values()))
+
+    def sweep(weights: list[mx.array]) -> float:
+        start = time.perf_counter()
+        for n in PROBE_ROWS:
+            mx.eval([inputs[n, w.shape[1]] @ w.T for w in weights])
+        return time.perf_counter() - start
+
+    sweep(row), sweep(column)  # warm-up: first-call costs must not favour the second
+    best = {"row": float("inf"), "column": float("inf")}
+    for _ in range(PROBE_REPEATS):
+        best["row"] = min(best["row"], sweep(row))
+        best["column"] = min(best["column"], sweep(column))
+    del column
+    return LayoutProbe(row_s=best["row"], column_s=best["column"])
+
+
+def choose_layout(matrices: Sequence[mx.array]) -> str:
+    """"row" or "column" for these (row-major, float) matrices on this machine."""
+    pinned = requested_layout()
+    if pinned is not None:
+        return pinned
+    probe = measure(probe_matrices(matrices))
+    log.info("weight layout: %s (a probe sweep took %.1f ms row-major, %.1f ms column-major)",
+             probe.layout, probe.row_s * 1e3, probe.column_s * 1e3)
+    return probe.layout
