@@ -148,17 +148,6 @@ class PrefixStore:
         """The longest prefix of `prompt_ids` a parked cache holds (0 when none)."""
         return self._closest(prompt_ids)[1]
 
-    def take(self, prompt_ids: Sequence[int], caches: Sequence[PreallocatedKVCache],
-             taps: Sequence[FeatureTap]) -> tuple[int, ...]:
-        """Load the parked cache sharing the longest prefix with `prompt_ids` into `caches`
-        and `taps` (it leaves the store); returns its ids. The caches' own rows are
-        dropped: park them first if they are worth keeping."""
-        entry, _ = self._closest(prompt_ids)
-        if entry is None:
-            raise KeyError("no parked cache to take")
-        self._load(entry, caches, taps)
-        return entry.ids
-
     def _closest(self, prompt_ids: Sequence[int]) -> tuple[Parked | None, int]:
         """The parked cache sharing the longest prefix with `prompt_ids` (the most recently
         parked of equals), and that prefix's length."""

@@ -165,10 +165,10 @@ def test_store_evicts_the_least_recently_parked_past_its_budget() -> None:
         assert live[0].offset == 0 and live[0].keys is None  # the rows moved, not copied
     assert store.lengths() == [100, 100] and store.nbytes == 2 * entry_bytes
     assert store.best(list(range(50))) == 0  # the first one was evicted
-    live = caches_of(10, 9.0)
-    ids = store.take([*range(1000, 1060), 7, 7], live, [])
-    assert ids == tuple(range(1000, 1100)) and live[0].offset == 100
-    assert float(live[0].keys[0, 0, 99, 0]) == 2.0
+    live = [PreallocatedKVCache(chunk=64) for _ in range(2)]  # a new conversation's
+    n = store.reuse((), live, [], [*range(1000, 1060), 7, 7], limit=10**6)
+    assert n == 60 and live[0].offset == 60  # the shared prefix came back, the rest cut
+    assert float(live[0].keys[0, 0, 59, 0]) == 2.0
     assert store.lengths() == [100]
 
 
