@@ -122,9 +122,9 @@ def blas_info() -> BlasInfo | None:
 
 
 def _layout_said() -> str:
-    """The CPU policy's layout probe (`engine.layout`) on matrices of a small model's
-    shapes (the demo's), so a machine's choice can be read without loading one."""
-    from engine.layout import PROBE_BYTES, measure, requested_layout
+    """The CPU policy's layout probe (`engine.layout`) on matrices of the demo's shapes,
+    its output layer included, so a machine's choice can be read without loading a model."""
+    from engine.layout import PROBE_BYTES, measure, probe_groups, requested_layout
 
     pinned = requested_layout()
     if pinned is not None:
@@ -134,11 +134,12 @@ def _layout_said() -> str:
     per_layer = sum(r * c * 4 for r, c in shapes)
     mats = [mx.random.normal(shape) for _ in range(-(-PROBE_BYTES // per_layer))
             for shape in shapes]
+    mats.append(mx.random.normal((49152, 576)))
     mx.eval(mats)
-    probe = measure(mats)
-    return (f"weight layout: {probe.layout}-major (a model's products at 1 and 4 rows: "
-            f"{probe.row_s * 1e3:.1f} ms row-major, {probe.column_s * 1e3:.1f} ms "
-            "column-major)")
+    probe = measure(probe_groups(mats))
+    return (f"weight layout: {probe.layout}-major (products of {len(mats) // len(shapes)} "
+            f"layers and the output layer of the demo's shapes at 1 and 4 rows: "
+            f"{probe.row_s * 1e3:.1f} ms row-major, {probe.column_s * 1e3:.1f} ms column-major)")
 
 
 def _kernels_said() -> tuple[str, ...]:

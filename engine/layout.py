@@ -9,8 +9,8 @@ Cooperlake (SkylakeX-family) kernels the reverse, 65 ms column-major against 49 
 products both ways when it loads, instead of fixing one layout for every machine.
 
 The probe multiplies matrices from across the model (enough bytes to stream from memory, as
-a pass does, not from cache) at 1 and 4 rows, alternating the layouts, and keeps each
-layout's best time. Column-major stays unless row-major is clearly faster (`MARGIN`): on a
+a pass does, not from cache; `probe_groups`) at 1 and 4 rows, alternating the layouts, and
+keeps each layout's best estimate of a pass's products. Column-major stays unless row-major is clearly faster (`MARGIN`): on a
 machine where the two are close, a noisy probe must not flip the layout from one load to
 the next (each layout has its own cost table: `calibration.weight_form`).
 `UNDERSTUDY_WEIGHT_LAYOUT=row|column` skips the probe.
@@ -40,7 +40,8 @@ MARGIN = 0.10
 
 @dataclass(frozen=True)
 class LayoutProbe:
-    """Seconds per sweep of the probe's products (every PROBE_ROWS width), each layout."""
+    """Seconds of a pass's products at every PROBE_ROWS width (estimated from the probe's
+    sample), in each layout."""
 
     row_s: float
     column_s: float
@@ -61,30 +62,59 @@ def requested_layout() -> str | None:
     return value
 
 
-def probe_matrices(matrices: Sequence[mx.array]) -> list[mx.array]:
-    """Matrices spread across the model, PROBE_BYTES of them (all when the model is smaller):
-    every k-th, so the probe sees each kind of product the model runs."""
-    total = sum(m.nbytes for m in matrices)
-    step = max(1, int(total // PROBE_BYTES))
-    return list(matrices[::step])
+@dataclass(frozen=True)
+class ProbeGroup:
+    """Matrices timed together, standing for `scale` times their bytes of the model."""
+
+    matrices: tuple[mx.array, ...]
+    scale: float
 
 
-def measure(matrices: Sequence[mx.array]) -> LayoutProbe:
-    """Time x @ W.T over `matrices` (row-major, as loaded) and their column-major copies.
+def probe_groups(matrices: Sequence[mx.array]) -> list[ProbeGroup]:
+    """A sample of the model's products that costs what a pass does, per byte.
+
+    The layers' matrices: every k-th, PROBE_BYTES of them, scaled up to all of theirs. A
+    matrix too big to sample that way (an output layer: 21% of the demo's bytes in one
+    matrix, and the product where the layouts differ most) is timed on a slice of its rows,
+    scaled up to its size: taking it whole would let it dominate the probe, and copying a
+    large vocabulary's output layer costs seconds."""
+    cap = PROBE_BYTES // 2
+    big = [m for m in matrices if m.nbytes > cap]
+    rest = [m for m in matrices if m.nbytes <= cap]
+    groups = []
+    if rest:
+        total = sum(m.nbytes for m in rest)
+        sample = rest[::max(1, int(total // PROBE_BYTES))]
+        groups.append(ProbeGroup(tuple(sample), total / sum(m.nbytes for m in sample)))
+    for m in big:
+        rows = max(1, cap // (m.shape[1] * m.itemsize))
+        groups.append(ProbeGroup((m[:rows],), m.shape[0] / rows))
+    return groups
+
+
+def measure(groups: Sequence[ProbeGroup]) -> LayoutProbe:
+    """Time x @ W.T over the groups' matrices (row-major, as loaded) and their column-major
+    copies; each layout's estimate of a pass's products is its groups' times, scaled.
 
     The copies exist only during the probe."""
-    row = list(matrices)
-    column = [mx.contiguous(w.T).T for w in row]
+    row = [list(g.matrices) for g in groups]
+    column = [[mx.contiguous(w.T).T for w in ws] for ws in row]
     mx.eval(column)
+    widths = {w.shape[1] for ws in row for w in ws}
     inputs = {(n, d): mx.random.normal((n, d), key=mx.random.key(n))
-              for n in PROBE_ROWS for d in {w.shape[1] for w in row}}
+              for n in PROBE_ROWS for d in widths}
     mx.eval(list(inputs.values()))
 
-    def sweep(weights: list[mx.array]) -> float:
-        start = time.perf_counter()
+    def sweep(layout: list[list[mx.array]]) -> float:
+        """Seconds for one pass's worth of products. Widths outermost: between a group's
+        two readings the others stream through the cache, as the layers of a pass do."""
+        total = 0.0
         for n in PROBE_ROWS:
-            mx.eval([inputs[n, w.shape[1]] @ w.T for w in weights])
-        return time.perf_counter() - start
+            for group, weights in zip(groups, layout, strict=True):
+                start = time.perf_counter()
+                mx.eval([inputs[n, w.shape[1]] @ w.T for w in weights])
+                total += (time.perf_counter() - start) * group.scale
+        return total
 
     sweep(row), sweep(column)  # warm-up: first-call costs must not favour the second
     best = {"row": float("inf"), "column": float("inf")}
@@ -100,7 +130,8 @@ def choose_layout(matrices: Sequence[mx.array]) -> str:
     pinned = requested_layout()
     if pinned is not None:
         return pinned
-    probe = measure(probe_matrices(matrices))
-    log.info("weight layout: %s (a probe sweep took %.1f ms row-major, %.1f ms column-major)",
+    probe = measure(probe_groups(matrices))
+    log.info("weight layout: %s (a pass's products at 1 and 4 rows: %.1f ms row-major, "
+             "%.1f ms column-major)",
              probe.layout, probe.row_s * 1e3, probe.column_s * 1e3)
     return probe.layout

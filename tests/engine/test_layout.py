@@ -16,7 +16,7 @@ from engine.layout import (
     LayoutProbe,
     choose_layout,
     measure,
-    probe_matrices,
+    probe_groups,
     requested_layout,
 )
 from engine.loading import load_weights
@@ -47,13 +47,20 @@ def test_the_pin_overrides_the_probe_and_a_bad_one_is_named(
     assert "diagonal" in caplog.text and ENV in caplog.text
 
 
-def test_the_probe_samples_the_whole_model_within_its_budget() -> None:
+def test_the_probe_samples_the_whole_model_as_a_pass_weighs_it() -> None:
     mats = [mx.zeros((1024, 1024)) for _ in range(100)]  # 4 MiB each, 400 MiB in all
-    picked = probe_matrices(mats)
+    head = mx.zeros((50_000, 512))  # an output layer: 98 MiB in one matrix
+    layers, out = probe_groups([*mats, head])
+    picked = layers.matrices
     assert PROBE_BYTES <= sum(m.nbytes for m in picked) < 2 * PROBE_BYTES
     assert picked[0] is mats[0] and picked[-1] is mats[-4]  # every 4th: from end to end
-    small = mats[:3]
-    assert probe_matrices(small) == small  # a small model: all of it
+    assert layers.scale * sum(m.nbytes for m in picked) == sum(m.nbytes for m in mats)
+    # the output layer is timed on a slice of its rows that stands for all of them
+    [piece] = out.matrices
+    assert piece.shape[1] == 512 and piece.nbytes <= PROBE_BYTES // 2
+    assert out.scale * piece.shape[0] == 50_000
+    small = probe_groups(mats[:3])
+    assert len(small) == 1 and small[0].matrices == tuple(mats[:3]) and small[0].scale == 1
 
 
 def test_a_real_probe_times_both_layouts_on_a_models_own_matrices(tmp_path: Path,
@@ -62,7 +69,7 @@ def test_a_real_probe_times_both_layouts_on_a_models_own_matrices(tmp_path: Path
     model, _ = load_weights(write_tiny_model(tmp_path / "tiny"), backend="cpu")
     monkeypatch.delenv(ENV)
     rows = [mx.contiguous(m.weight) for m in product_modules(model)]
-    probe = measure(rows)
+    probe = measure(probe_groups(rows))
     assert 0 < probe.row_s < 1 and 0 < probe.column_s < 1
     assert probe.layout in ("row", "column")
     # the probe's copies are its own: the model's matrices keep the layout they were given
