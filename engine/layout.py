@@ -10,10 +10,11 @@ products both ways when it loads, instead of fixing one layout for every machine
 
 The probe multiplies matrices from across the model (enough bytes to stream from memory, as
 a pass does, not from cache; `probe_groups`) at 1 and 4 rows, alternating the layouts, and
-keeps each layout's best estimate of a pass's products. Column-major stays unless row-major is clearly faster (`MARGIN`): on a
-machine where the two are close, a noisy probe must not flip the layout from one load to
-the next (each layout has its own cost table: `calibration.weight_form`).
-`UNDERSTUDY_WEIGHT_LAYOUT=row|column` skips the probe.
+keeps each layout's best estimate of a pass's products (fewer repeats on a machine too
+busy to finish them in `PROBE_BUDGET_S`). Column-major stays unless row-major is clearly
+faster (`MARGIN`): on a machine where the two are close, a noisy probe must not flip the
+layout from one load to the next (each layout has its own cost table:
+`calibration.weight_form`). `UNDERSTUDY_WEIGHT_LAYOUT=row|column` skips the probe.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ PROBE_ROWS = (1, 4)  # a plain step and a typical verify pass
 PROBE_REPEATS = 3
 # row-major must be this much faster to replace the default
 MARGIN = 0.10
+# the probe stops repeating past this: on a machine busy enough for OpenBLAS's threads to
+# contend (two spinning processes on 2 cores made a sweep ~40x slower, 3.5 s), a full probe
+# would add half a minute to loading, for a verdict that noise decides anyway
+PROBE_BUDGET_S = 1.5
 
 
 @dataclass(frozen=True)
@@ -116,11 +121,15 @@ def measure(groups: Sequence[ProbeGroup]) -> LayoutProbe:
                 total += (time.perf_counter() - start) * group.scale
         return total
 
-    sweep(row), sweep(column)  # warm-up: first-call costs must not favour the second
+    # warm-up, one product per group and layout: first-call costs must not favour either
+    mx.eval([inputs[1, ws[0].shape[1]] @ ws[0].T for layout in (row, column) for ws in layout])
+    start = time.perf_counter()
     best = {"row": float("inf"), "column": float("inf")}
     for _ in range(PROBE_REPEATS):
         best["row"] = min(best["row"], sweep(row))
         best["column"] = min(best["column"], sweep(column))
+        if time.perf_counter() - start > PROBE_BUDGET_S:
+            break
     del column
     return LayoutProbe(row_s=best["row"], column_s=best["column"])
 
