@@ -37,7 +37,7 @@ class BlasInfo:
     path: str | None
     gflops: float
     kernels: tuple[str, ...] = ()  # which OpenBLAS kernels run, and a hint where it fell back
-    layout: str = ""  # the weight layout the CPU policy would choose here, and why
+    layout: tuple[str, ...] = ()  # the weight layout the CPU policy would choose here, and why
 
 
 @dataclass
@@ -59,8 +59,7 @@ class DoctorReport:
             if self.blas.path:
                 out.append(f"  library: {self.blas.path}")
             out.extend(f"  {line}" for line in self.blas.kernels)
-            if self.blas.layout:
-                out.append(f"  {self.blas.layout}")
+            out.extend(f"  {line}" for line in self.blas.layout)
         if self.backend != "metal":
             out.append("kernels: no Metal: references in use")
             return out
@@ -121,14 +120,14 @@ def blas_info() -> BlasInfo | None:
     return BlasInfo(name, path, _matmul_gflops(), kernels, _layout_said())
 
 
-def _layout_said() -> str:
+def _layout_said() -> tuple[str, ...]:
     """The CPU policy's layout probe (`engine.layout`) on matrices of the demo's shapes,
     its output layer included, so a machine's choice can be read without loading a model."""
     from engine.layout import PROBE_BYTES, measure, probe_groups, requested_layout
 
     pinned = requested_layout()
     if pinned is not None:
-        return f"weight layout: {pinned}-major (pinned by UNDERSTUDY_WEIGHT_LAYOUT)"
+        return (f"weight layout: {pinned}-major (pinned by UNDERSTUDY_WEIGHT_LAYOUT)",)
     shapes = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576),
               (576, 1536))
     per_layer = sum(r * c * 4 for r, c in shapes)
@@ -137,9 +136,9 @@ def _layout_said() -> str:
     mats.append(mx.random.normal((49152, 576)))
     mx.eval(mats)
     probe = measure(probe_groups(mats))
-    return (f"weight layout: {probe.layout}-major (products of {len(mats) // len(shapes)} "
-            f"layers and the output layer of the demo's shapes at 1 and 4 rows: "
-            f"{probe.row_s * 1e3:.1f} ms row-major, {probe.column_s * 1e3:.1f} ms column-major)")
+    return (f"weight layout: {probe.layout}-major (measured)",
+            f"  probe: {probe.row_s * 1e3:.1f} ms row-major, {probe.column_s * 1e3:.1f} ms "
+            "column-major (the demo's shapes, 1 and 4 rows)")
 
 
 def _kernels_said() -> tuple[str, ...]:

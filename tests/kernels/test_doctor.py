@@ -33,11 +33,12 @@ def test_doctor_command_reports_backend_blas_and_references(tmp_path: Path) -> N
     assert lines[1].startswith("BLAS: ") and "GFLOP/s" in lines[1]
     speed = float(lines[1].split(": ")[-1].split(" GFLOP/s")[0])
     assert speed > 0
-    [layout] = [line for line in lines if line.startswith("  weight layout: ")]
-    times = [float(ms) for ms in re.findall(r"([0-9.]+) ms (?:row|column)-major", layout)]
-    assert len(times) == 2 and all(t > 0 for t in times)
+    at = next(i for i, line in enumerate(lines) if line.startswith("  weight layout: "))
+    layout, probe = lines[at:at + 2]
+    times = [float(ms) for ms in re.findall(r"([0-9.]+) ms (?:row|column)-major", probe)]
+    assert probe.startswith("    probe: ") and len(times) == 2 and all(t > 0 for t in times)
     chosen = "row" if times[0] * 1.1 < times[1] else "column"  # engine.layout.MARGIN
-    assert layout.startswith(f"  weight layout: {chosen}-major")
+    assert layout == f"  weight layout: {chosen}-major (measured)"
     assert lines[-1] == "kernels: no Metal: references in use"
     pinned = subprocess.run([sys.executable, "-m", "app.cli", "doctor"], cwd=REPO,
                             env={**env, "UNDERSTUDY_WEIGHT_LAYOUT": "row"},
