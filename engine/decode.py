@@ -19,6 +19,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from engine import blas_threads
 from engine.cache import cache_length, make_caches, trim_caches
 from engine.calibration import (
     CALIBRATION_FILE,
@@ -327,6 +328,7 @@ class ChatSession:
         if self._recorder is not None:
             self._recorder.begin(len(prompt_ids))
         todo = prompt_ids[reused:]
+        blas_threads.tick()
         logits = None
         waited = 0.0  # time the consumer held a progress event: not prompt time
         for done, chunk_logits in prefill(self.target.model, todo, self.caches_tgt,
@@ -372,6 +374,7 @@ class ChatSession:
         window = self.context_window
         try:
             for raw in steps:
+                blas_threads.tick()
                 tokens: list[Token] = []
                 eos_token: Token | None = None
                 branches = raw.branches or [""] * len(raw.ids)
