@@ -30,6 +30,7 @@ import mlx.core as mx
 log = logging.getLogger(__name__)
 
 WINDOW_S = 1.0  # how long a measurement of the others' CPU use spans
+FIRST_WINDOW_S = 0.25  # the first one is shorter: a one-off reply must not run slow a second
 # a core counts as taken once the others keep it this busy (a desktop's background chatter
 # stays below; a build or a second inference process does not)
 TAKEN_AT = 0.7
@@ -114,16 +115,17 @@ class BlasThreads:
         self.threads = self.cores
         self._last = read_sample(stat) if self._api else None
         self.enabled = self._last is not None and self.cores > 1
+        self._window = FIRST_WINDOW_S
 
     def tick(self) -> int:
         """Adjust the thread count once a window has passed; returns the count in use."""
         if not self.enabled:
             return self.threads
         now = read_sample(self._stat)
-        if now is None or self._last is None or now.wall - self._last.wall < WINDOW_S:
+        if now is None or self._last is None or now.wall - self._last.wall < self._window:
             return self.threads
         want = wanted_threads(self.cores, others_busy(self._last, now))
-        self._last = now
+        self._last, self._window = now, WINDOW_S
         if want != self.threads:
             self.set(want)
         return self.threads

@@ -334,6 +334,7 @@ class ChatSession:
         waited = 0.0  # time the consumer held a progress event: not prompt time
         for done, chunk_logits in prefill(self.target.model, todo, self.caches_tgt,
                                           options.prefill_chunk):
+            blas_threads.tick()
             logits = chunk_logits
             t_yield = time.perf_counter()
             yield PromptProgress(reused + done, len(prompt_ids))
