@@ -93,7 +93,7 @@ def wanted_threads(cores: int, others: float) -> int:
     return max(1, cores - taken)
 
 
-def _openblas() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+def openblas_api() -> tuple[Callable[[], int], Callable[[int], None]] | None:
     """OpenBLAS's get/set thread count in this process, or None where it is not loaded."""
     try:
         lib = ctypes.CDLL(None)
@@ -110,7 +110,7 @@ class BlasThreads:
 
     def __init__(self, stat: Path = Path("/proc/stat")) -> None:
         self._stat = stat
-        self._api = None if "OPENBLAS_NUM_THREADS" in os.environ else _openblas()
+        self._api = None if "OPENBLAS_NUM_THREADS" in os.environ else openblas_api()
         self.cores = self._api[0]() if self._api else 1
         self.threads = self.cores
         self._last = read_sample(stat) if self._api else None

@@ -116,8 +116,22 @@ def blas_info() -> BlasInfo | None:
             name, path = "reference BLAS bundled with the mlx wheel (slow)", libs[0]
         else:
             name, path = "unknown", None
-    kernels = _kernels_said() if name.startswith("OpenBLAS") else ()
+    kernels = (*_kernels_said(), *_threads_said()) if name.startswith("OpenBLAS") else ()
     return BlasInfo(name, path, _matmul_gflops(), kernels, _layout_said())
+
+
+def _threads_said() -> tuple[str, ...]:
+    """How many threads OpenBLAS runs now, and who decides (`engine.blas_threads`)."""
+    from engine.blas_threads import openblas_api
+
+    api = openblas_api()
+    if api is None:
+        return ()
+    n = api[0]()
+    user = os.environ.get("OPENBLAS_NUM_THREADS")
+    who = (f"OPENBLAS_NUM_THREADS={user}" if user is not None
+           else "fewer while other processes keep the cores busy")
+    return (f"threads: {n} ({who})",)
 
 
 def _layout_said() -> tuple[str, ...]:

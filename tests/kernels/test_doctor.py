@@ -69,6 +69,9 @@ def test_cli_process_has_openblas_when_installed(tmp_path: Path) -> None:
         assert kernels == f"  core type: {core} (OPENBLAS_CORETYPE={core})"
     else:
         assert kernels.endswith("(OpenBLAS's own choice)")
+    threads = next(line for line in lines if line.startswith("  threads: "))
+    assert re.fullmatch(r"  threads: [1-9][0-9]* \(fewer while other processes keep the "
+                        r"cores busy\)", threads), threads
 
 
 FAILED = KernelVerdict("verify_sampler", passed=False, reason="token differs (row 3)")
