@@ -99,9 +99,8 @@ def probe_groups(matrices: Sequence[mx.array]) -> list[ProbeGroup]:
 
 def measure(groups: Sequence[ProbeGroup]) -> LayoutProbe:
     """Time x @ W.T over the groups' matrices (row-major, as loaded) and their column-major
-    copies; each layout's estimate of a pass's products is its groups' times, scaled.
-
-    The copies exist only during the probe."""
+    copies (which live only as long as the probe); each layout's estimate of a pass's
+    products is its groups' times, scaled."""
     row = [list(g.matrices) for g in groups]
     column = [[mx.contiguous(w.T).T for w in ws] for ws in row]
     mx.eval(column)
@@ -130,7 +129,6 @@ def measure(groups: Sequence[ProbeGroup]) -> LayoutProbe:
         best["column"] = min(best["column"], sweep(column))
         if time.perf_counter() - start > PROBE_BUDGET_S:
             break
-    del column
     return LayoutProbe(row_s=best["row"], column_s=best["column"])
 
 
