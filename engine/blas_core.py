@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ENV = "OPENBLAS_CORETYPE"
@@ -43,18 +44,38 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
+def _symbols(lib: Path | None) -> ctypes.CDLL | None:
+    """`lib` once loaded, or without `lib` this process's own symbols (where a preloaded
+    OpenBLAS serves MLX); None where it cannot be opened."""
+    try:
+        return ctypes.CDLL(str(lib) if lib is not None else None)
+    except OSError:
+        return None
+
+
 def corename(lib: Path | None = None) -> str | None:
     """The kernels OpenBLAS chose (`openblas_get_corename`): those of `lib` once loaded, or,
     without `lib`, of the OpenBLAS already in this process (preloaded for MLX). None where
     there is no OpenBLAS to ask (macOS, MLX's bundled reference BLAS)."""
-    try:
-        handle = ctypes.CDLL(str(lib) if lib is not None else None)
-        get = handle.openblas_get_corename
-    except (OSError, AttributeError):
+    get = getattr(_symbols(lib), "openblas_get_corename", None)
+    if get is None:
         return None
     get.restype = ctypes.c_char_p
     name = get()
     return name.decode(errors="replace").strip() if name else None
+
+
+def threads_api() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    """Get and set the thread count of the OpenBLAS in this process, or None where there is
+    none (`engine.blas_threads` adapts it to the machine's load)."""
+    symbols = _symbols(None)
+    get = getattr(symbols, "openblas_get_num_threads", None)
+    set_ = getattr(symbols, "openblas_set_num_threads", None)
+    if get is None or set_ is None:
+        return None
+    get.restype = ctypes.c_int
+    set_.argtypes = [ctypes.c_int]
+    return get, set_
 
 
 def better_core(reported: str | None, flags: frozenset[str]) -> str | None:

@@ -16,16 +16,16 @@ resizes its pool.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+
+from engine.blas_core import threads_api
 
 log = logging.getLogger(__name__)
 
@@ -93,36 +93,27 @@ def wanted_threads(cores: int, others: float) -> int:
     return max(1, cores - taken)
 
 
-def openblas_api() -> tuple[Callable[[], int], Callable[[int], None]] | None:
-    """OpenBLAS's get/set thread count in this process, or None where it is not loaded."""
-    try:
-        lib = ctypes.CDLL(None)
-        get, set_ = lib.openblas_get_num_threads, lib.openblas_set_num_threads
-    except (OSError, AttributeError):
-        return None
-    get.restype = ctypes.c_int
-    set_.argtypes = [ctypes.c_int]
-    return get, set_
-
-
 class BlasThreads:
-    """Call `tick()` between passes on the engine thread."""
+    """Call `tick()` between passes on the engine thread: it costs a clock read until a
+    window has passed, and only then reads /proc/stat."""
 
     def __init__(self, stat: Path = Path("/proc/stat")) -> None:
         self._stat = stat
-        self._api = None if "OPENBLAS_NUM_THREADS" in os.environ else openblas_api()
+        self._api = None if "OPENBLAS_NUM_THREADS" in os.environ else threads_api()
         self.cores = self._api[0]() if self._api else 1
         self.threads = self.cores
-        self._last = read_sample(stat) if self._api else None
+        self._cpus = (frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else None)
+        self._last = read_sample(stat, self._cpus) if self._api else None
         self.enabled = self._last is not None and self.cores > 1
         self._window = FIRST_WINDOW_S
 
     def tick(self) -> int:
         """Adjust the thread count once a window has passed; returns the count in use."""
-        if not self.enabled:
+        if not self.enabled or time.monotonic() - self._last.wall < self._window:
             return self.threads
-        now = read_sample(self._stat)
-        if now is None or self._last is None or now.wall - self._last.wall < self._window:
+        now = read_sample(self._stat, self._cpus)
+        if now is None:
             return self.threads
         want = wanted_threads(self.cores, others_busy(self._last, now))
         self._last, self._window = now, WINDOW_S

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.blas_core import ENV, better_core, corename, cpu_flags
+from engine.blas_core import ENV, better_core, corename, cpu_flags, threads_api
 from engine.loading import default_backend
 from engine.paths import app_data_dir
 from kernels import dispatch, selftest
@@ -122,9 +122,7 @@ def blas_info() -> BlasInfo | None:
 
 def _threads_said() -> tuple[str, ...]:
     """How many threads OpenBLAS runs now, and who decides (`engine.blas_threads`)."""
-    from engine.blas_threads import openblas_api
-
-    api = openblas_api()
+    api = threads_api()
     if api is None:
         return ()
     n = api[0]()

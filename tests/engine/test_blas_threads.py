@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from engine import blas_threads
+from engine.blas_core import threads_api
 from engine.blas_threads import (
     BlasThreads,
     Sample,
-    openblas_api,
     others_busy,
     read_sample,
     wanted_threads,
@@ -84,7 +84,7 @@ def test_spinning_processes_take_the_cores_they_keep_busy() -> None:
 
 def test_the_count_reaches_the_real_library_and_a_users_setting_is_kept(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    api = openblas_api()
+    api = threads_api()
     if api is None:
         pytest.skip("no OpenBLAS in this process")
     get, _ = api
@@ -112,7 +112,7 @@ class Flipping(BlasThreads):
 
 def test_a_reply_is_the_same_when_the_count_changes_between_its_passes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if openblas_api() is None:
+    if threads_api() is None:
         pytest.skip("no OpenBLAS in this process")
     model = load_model(write_tiny_model(tmp_path / "tiny"))
     messages = [{"role": "user", "content": "the cat sat on the mat"}]
