@@ -104,7 +104,7 @@ class ChatSession:
 
             require_compatible(target.path, draft.path)
         self.caches_tgt = make_caches(target.model.n_layers)
-        blas_threads.tick()  # starts watching the cores: by the first reply a window has passed
+        blas_threads.tick()  # loading started the window: it may have closed by now
         self.cached_ids_tgt: list[int] = []
         # caches of conversations this session left, for when a prompt comes back to one
         self.prefixes = PrefixStore()

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from engine import blas_threads
 from engine.errors import EngineError, ModelFormatError
 from engine.layout import choose_layout
 from engine.models import Model, ModelArgs
@@ -427,6 +428,9 @@ def load_model(
     """
     from engine.tokenizer import Tokenizer
 
+    # start watching the cores now: loading takes about a second, so by the first prompt a
+    # window has closed, and a short one read on a busy machine gets the cores left to it
+    blas_threads.tick()
     spec = str(spec_or_path)
     folder = resolve_model_path(spec)
     backend = backend or default_backend()

@@ -133,3 +133,18 @@ def test_a_reply_is_the_same_when_the_count_changes_between_its_passes(
     finally:
         flipping.set(flipping.cores)
     assert flipping.flips > 20  # it really changed under every pass
+
+
+def test_loading_a_model_starts_the_first_window(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short prompt right after loading must not be read before any window has closed
+    (on a busy machine it would run with every thread)."""
+    if threads_api() is None:
+        pytest.skip("no OpenBLAS in this process")
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    monkeypatch.setattr(blas_threads, "_shared", None)
+    started = time.monotonic()
+    load_model(write_tiny_model(tmp_path / "tiny"))
+    watcher = blas_threads._shared
+    assert watcher is not None and watcher.enabled
+    assert started <= watcher._last.wall <= time.monotonic()
