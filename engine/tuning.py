@@ -593,9 +593,13 @@ class DraftPolicy:
                 cheap = (PROBE_DRAFT_PASSES * costs.verify(1) / draft_s if draft_s > 0
                          else K_MAX)
                 probe_k = min(limit, max(2, 2 * widest), max(1, int(cheap)))
-                # a drafter too slow to pay even with free verify passes needs no probe
+                # a drafter that could not pay even with free verify passes, at its
+                # acceptance so far, needs no probe: knowing a wide pass is cheap would
+                # not make it draft (a head at ~10% at T = 0.8 lost 4% to such probes);
+                # idle probes, not these, find out when its acceptance comes back
                 flat = CostModel({1: costs.verify(1)}, overlap_s=costs.overlap_s)
-                if best_k(OPTIMISTIC_ACCEPTANCE, draft_s, flat, probe_k, True)[0] == 0:
+                alpha = self.estimates.get(key, AcceptanceEstimate(0.5)).alpha
+                if best_k(alpha, draft_s, flat, probe_k, True)[0] == 0:
                     continue
             if probe_k > k and not costs.confirmed(probe_k + 1):
                 # `update` prices the probe's pass once it has run

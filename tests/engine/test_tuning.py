@@ -658,6 +658,20 @@ def test_a_model_drafter_is_probed_once_and_then_drafts_long() -> None:
     assert costs.tested(K_MAX + 1)
 
 
+def test_a_drafter_failing_at_its_recent_acceptance_gets_no_cost_probes() -> None:
+    """A head at T = 0.8 drafts ~10% right: even free wide passes would not make it pay, so
+    timing them is a loss (auto with the demo's head ran x0.96 of plain on chat, its cost
+    probes the largest part). A drafter whose record says it would pay is still probed."""
+    def probed(acceptance: float) -> int:
+        costs = CostModel(dict(STALE), {"model": 0.003})
+        policy = DraftPolicy("model", ("model",), costs)
+        policy.estimates["model"] = AcceptanceEstimate(acceptance, weight=40.0)
+        return sum(policy.choose(FRESH).probe for _ in range(PROBE_EVERY))
+
+    assert probed(0.1) == 0
+    assert probed(0.5) == 1  # negative control: the same stale table, a drafter that pays
+
+
 def test_without_probes_the_model_drafter_stays_locked_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("engine.tuning.COST_PROBES", False)
