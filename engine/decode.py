@@ -339,6 +339,15 @@ class ChatSession:
             t_yield = time.perf_counter()
             yield PromptProgress(reused + done, len(prompt_ids))
             waited += time.perf_counter() - t_yield
+            if cancel is not None and cancel.is_set():
+                # stopped while the prompt is read (a long paste can take a minute): end
+                # now, keeping what was read cached, so sending it again starts from there
+                self.cached_ids_tgt = list(prompt_ids[: reused + done])
+                stats = replace(stats, prefilled_tokens=done, finish_reason="cancelled",
+                                prompt_s=time.perf_counter() - t_start - waited)
+                self.stats = stats
+                yield Finished(stats, "", ())
+                return
         assert logits is not None  # _reuse_prefix always leaves the last token to compute
         stats = replace(stats, prefilled_tokens=len(todo),
                         prompt_s=time.perf_counter() - t_start - waited)

@@ -20,7 +20,7 @@ from PySide6.QtCore import QPointF, QRectF, QSize, Qt
 from PySide6.QtGui import QColor, QPainter, QPainterPath, QPalette, QPen
 from PySide6.QtWidgets import QGridLayout, QLabel, QProgressBar, QSizePolicy, QVBoxLayout, QWidget
 
-from app.ui.token_render import footer_text
+from app.ui.token_render import footer_text, stopped_reading
 from engine.context_fit import dropped_note
 from engine.events import Stats
 
@@ -217,6 +217,9 @@ class GaugeWidget(QWidget):
         self.prompt_label.setText(f"{stats.prompt_s:.2f} s")
         tip = (f"read {stats.prefilled_tokens:,} of the prompt's {stats.prompt_tokens:,} "
                f"tokens in {stats.prompt_s:.2f} s")
+        if stopped_reading(stats):
+            self.prompt_label.setToolTip(tip + ", then stopped")
+            return
         if stats.cached_tokens:
             tip += f"; the other {stats.cached_tokens:,} were already in the cache"
         self.prompt_label.setToolTip(tip)
@@ -237,7 +240,8 @@ class GaugeWidget(QWidget):
         """The reply's final totals (the message footer carries the same line)."""
         self.progress.hide()
         if stats is not None:
-            self.rate_label.setText(f"{stats.decode_tps:.1f} tok/s")
+            self.rate_label.setText("— tok/s" if stopped_reading(stats)
+                                    else f"{stats.decode_tps:.1f} tok/s")
             self.tau_label.setText(f"{stats.tau:.2f}")
             self.accept_label.setText(f"{stats.acceptance:.0%}" if stats.n_drafted else "—")
             self.tokens_label.setText(str(stats.generated_tokens))

@@ -245,6 +245,12 @@ def markdown_html(text: str, dark: bool = False) -> RenderedMarkdown:
 
 
 # -- numbers -------------------------------------------------------------------------------
+def stopped_reading(stats: Stats) -> bool:
+    """Whether the reply was stopped before its first token (while the prompt was read):
+    it has no speed to show."""
+    return stats.finish_reason == "cancelled" and not stats.generated_tokens
+
+
 def footer_text(stats: Stats) -> str:
     """The line under a finished reply: "42.1 tok/s · 212 tokens · 81% accepted · 3.4 tokens/pass"."""
     parts = [f"{stats.decode_tps:.1f} tok/s", f"{stats.generated_tokens} tokens"]

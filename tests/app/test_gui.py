@@ -477,6 +477,35 @@ def test_comparison_is_a_race_both_texts_arrive_at_once(qtbot, make_gui, tiny_pa
     assert gui.window.comparison_view.plain.text() == result.plain_text
 
 
+def test_stop_while_a_long_prompt_is_read(qtbot, make_gui, tiny_pair) -> None:
+    """Stop lands between two chunks of a long paste: the reply ends there (a user waited
+    53 s for Stop on a 5,300-token message), saved as stopped, with no speed to show."""
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=50))
+    progress: list[tuple[int, int, bool]] = []
+    cancel_events: list[threading.Event] = []
+
+    def on_progress(_request: int, done: int, total: int) -> None:
+        """On the engine thread, as each chunk is read: Stop after the first."""
+        progress.append((done, total, bool(cancel_events) and cancel_events[0].is_set()))
+        if len(progress) == 1:
+            gui.controller.stop()
+
+    gui.host.worker.prompt_progressed.connect(on_progress, Qt.ConnectionType.DirectConnection)
+    gui.controller.send(" ".join(f"word{i}" for i in range(150)))  # ~1,150 tokens
+    cancel_events.append(gui.controller.current_request.cancel)
+    qtbot.waitUntil(lambda: bool(progress), timeout=TIMEOUT)
+    wait_idle(qtbot, gui)
+    done, total, _ = progress[-1]
+    assert len(progress) == 1 + sum(stopped for *_, stopped in progress) <= 2
+    assert done < total  # the rest of the prompt was never read
+    [_, reply] = gui.store.messages(gui.controller.conversation_id)
+    stats = stats_from_dict(reply.stats)
+    assert reply.status == STOPPED and reply.content == ""
+    assert stats.finish_reason == "cancelled" and stats.generated_tokens == 0
+    assert gui.window.gauge.rate_label.text() == "— tok/s"
+    assert "stopped" in gui.window.chat_view.cards[-1].footer.text()
+
+
 def test_stopping_a_race_stops_both_runs(qtbot, make_gui, tiny_pair, monkeypatch) -> None:
     import app.ui.worker
 

@@ -224,7 +224,29 @@ def test_cancel_set_before_start(tiny: LoadedModel) -> None:
     cancel = threading.Event()
     cancel.set()
     _, steps, fin = run(ChatSession(tiny), GenerateOptions(max_tokens=100), cancel=cancel)
-    assert fin.stats.finish_reason == "cancelled" and len(steps) <= 1
+    assert fin.stats.finish_reason == "cancelled" and not steps
+
+
+def test_cancel_while_the_prompt_is_read(tiny: LoadedModel) -> None:
+    """Stop during a long paste ends the reply at the next chunk, not after the whole
+    prompt; what was read stays cached, so sending it again reads only the rest."""
+    ids = tiny.tokenizer.encode("Hello world! The quick brown fox.")[:13]
+    session = ChatSession(tiny)
+    cancel = threading.Event()
+    events = []
+    for ev in session.generate_ids(ids, GenerateOptions(max_tokens=4, prefill_chunk=4),
+                                   cancel):
+        events.append(ev)
+        if isinstance(ev, PromptProgress) and ev.done == 8:
+            cancel.set()
+    assert [type(e).__name__ for e in events] == ["PromptProgress"] * 2 + ["Finished"]
+    fin = events[-1]
+    assert fin.stats.finish_reason == "cancelled" and fin.text == "" and not fin.token_ids
+    assert fin.stats.prefilled_tokens == 8 and fin.stats.generated_tokens == 0
+    again = list(session.generate_ids(ids, GenerateOptions(max_tokens=4, prefill_chunk=4)))
+    assert again[-1].stats.prefilled_tokens == 13 - 8
+    fresh = list(ChatSession(tiny).generate_ids(ids, GenerateOptions(max_tokens=4)))
+    assert again[-1].token_ids == fresh[-1].token_ids and len(fresh[-1].token_ids) == 4
 
 
 def test_cancel_from_another_thread(tiny: LoadedModel) -> None:
