@@ -216,6 +216,8 @@ class MessageCard(QFrame):
         if stats is not None and stats.generated_tokens:
             parts.append(footer_text(stats))
         note = STATUS_TEXT.get(m.status)
+        if m.status == STOPPED and not m.content:
+            note = "stopped before the reply began"  # (while the prompt was read)
         if note:
             parts.append(note)
         if m.error:

@@ -53,12 +53,29 @@ class _Reply:
     comparison: bool = False
     # a continuation: the reply as it stood, whose text and numbers the new run extends
     earlier: Message | None = None
+    # this run's running totals, from its latest step: what a reply cut off by the app
+    # closing keeps (the engine's Finished never arrives then)
+    live: Stats | None = None
+    # (done, total) of the prompt read so far (done counts a cached prefix too), for a
+    # reply closed before its first token
+    prompt: tuple[int, int] = (0, 0)
 
 
 def _earlier_stats(reply: _Reply) -> Stats | None:
     """The numbers a continued reply had before the run that did not finish (None for a
     new reply: it has none yet)."""
     return stats_from_dict(reply.earlier.stats) if reply.earlier is not None else None
+
+
+def _stopped_stats(reply: _Reply) -> Stats:
+    """The numbers of a reply stopped where it stands, without the engine's last word: its
+    latest step's totals (after a continued reply's earlier ones), or, before its first
+    token, what a Stop while the prompt is read saves (no tokens, the prompt read so far)."""
+    done, total = reply.prompt
+    live = reply.live or Stats(prompt_tokens=total, prefilled_tokens=done)
+    live = replace(live, finish_reason="cancelled")
+    before = _earlier_stats(reply)
+    return before.then(live) if before is not None else live
 
 
 def title_from(text: str) -> str:
@@ -211,11 +228,25 @@ class ChatController(QObject):
                 self.host.cancel(reply.request.request_id)
 
     def close(self) -> None:
-        """The app is closing: stop, and record a reply in flight as stopped, not crashed."""
+        """The app is closing (or crashed): stop, and record a reply in flight as stopped,
+        not crashed, with the numbers of what it wrote (the engine's Finished would come
+        too late).
+
+        A reply closed while its prompt was read is kept as Stop keeps it then: empty,
+        stopped, no tokens; a continuation that wrote nothing stays as it was."""
+        was_generating = self.generating
         self.stop()
-        reply, self._reply = self._reply, None
+        reply, self._reply, self._race_plain = self._reply, None, None
         if reply is not None and reply.message_id is not None:
-            self.store.finish_reply(reply.message_id, status=STOPPED, stats=_earlier_stats(reply))
+            if reply.earlier is not None and reply.live is None:
+                self.store.finish_reply(reply.message_id, status=reply.earlier.status,
+                                        stats=_earlier_stats(reply), error=reply.earlier.error)
+            else:
+                self.store.finish_reply(reply.message_id, status=STOPPED,
+                                        stats=_stopped_stats(reply))
+            self.reply_finished.emit(self.store.message(reply.message_id))
+        if was_generating:
+            self.generating_changed.emit(False)
 
     def regenerate(self, message_id: int) -> bool:
         """Drop an assistant reply (and anything after it) and generate it again."""
@@ -325,6 +356,7 @@ class ChatController(QObject):
         if reply.message_id is None:
             self.plain_prompt_progressed.emit(done, total)
         else:
+            reply.prompt = (done, total)
             self.prompt_progressed.emit(done, total)
 
     def _on_step_generated(self, request_id: int, step: Step, stats: Stats) -> None:
@@ -335,6 +367,7 @@ class ChatController(QObject):
             self.plain_step_received.emit(step, stats)
             return
         self.store.append_step(reply.message_id, step)
+        reply.live = stats
         self.step_received.emit(reply.message_id, step, stats)
 
     def _on_generation_finished(self, request_id: int, finished: Finished) -> None:

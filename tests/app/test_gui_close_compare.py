@@ -1,0 +1,63 @@
+"""Closing the app under a reply, and the comparison's edges: real engine thread, SQLite,
+widgets on tiny random models."""
+
+from __future__ import annotations
+
+import threading
+
+from PySide6.QtCore import Qt
+
+from app.store import STOPPED, stats_from_dict
+from tests.app.test_gui import TIMEOUT, plain_settings
+
+
+def test_closing_mid_reply_keeps_its_numbers(qtbot, make_gui, tiny_pair) -> None:
+    """Quit while a reply streams: it is saved as stopped with the totals of the steps it
+    kept (they were lost: stats_json NULL, after a restart the card said only "stopped")."""
+    target = tiny_pair[0]
+    gui = make_gui(plain_settings(target, max_tokens=5000))
+    gui.controller.send("Count forever")
+    qtbot.waitUntil(lambda: len(gui.window.chat_view.cards[-1].steps) >= 3, timeout=TIMEOUT)
+    gui.close()
+
+    again = make_gui(plain_settings(target))
+    [_, reply] = again.store.messages(again.controller.conversation_id)
+    stats = stats_from_dict(reply.stats)
+    assert reply.status == STOPPED and reply.content
+    assert stats is not None and stats.finish_reason == "cancelled"
+    assert stats.generated_tokens == sum(len(s.committed) for s in reply.steps) >= 3
+    assert stats.decode_s > 0 and stats.prompt_tokens > 0
+    footer = again.window.chat_view.cards[-1].footer.text()
+    assert footer == (f"{stats.decode_tps:.1f} tok/s · {stats.generated_tokens} tokens · "
+                      f"{stats.tau:.1f} tokens/pass · stopped")
+
+
+def test_closing_while_the_prompt_is_read_saves_it_as_stop_would(qtbot, make_gui,
+                                                                 tiny_pair) -> None:
+    """Quit between two chunks of a long prompt: the empty reply is kept as Stop keeps it
+    (stopped, no tokens, finish "cancelled"), and says it stopped before it began."""
+    target = tiny_pair[0]
+    gui = make_gui(plain_settings(target, max_tokens=50))
+    release = threading.Event()
+    progress: list[tuple[int, int]] = []
+
+    def hold_engine(_request: int, done: int, total: int) -> None:
+        """On the engine thread: the first chunk is read; wait there until the app closed."""
+        progress.append((done, total))
+        release.wait(timeout=TIMEOUT / 1000)
+
+    gui.host.worker.prompt_progressed.connect(hold_engine, Qt.ConnectionType.DirectConnection)
+    with qtbot.waitSignal(gui.controller.prompt_progressed, timeout=TIMEOUT):
+        gui.controller.send(" ".join(f"word{i}" for i in range(150)))  # ~1,150 tokens
+    gui.window.close()
+    release.set()
+    gui.close()
+
+    again = make_gui(plain_settings(target))
+    [_, reply] = again.store.messages(again.controller.conversation_id)
+    stats = stats_from_dict(reply.stats)
+    done, total = progress[0]
+    assert reply.status == STOPPED and reply.content == "" and reply.steps == ()
+    assert stats.finish_reason == "cancelled" and stats.generated_tokens == 0
+    assert (stats.prompt_tokens, stats.prefilled_tokens) == (total, done) and done < total
+    assert again.window.chat_view.cards[-1].footer.text() == "stopped before the reply began"
