@@ -327,6 +327,7 @@ class ChatView(QWidget):
         controller.message_added.connect(self._on_message_added)
         controller.step_received.connect(self._on_step_received)
         controller.reply_finished.connect(self._on_reply_finished)
+        controller.reply_updated.connect(self._on_reply_finished)
         controller.reply_discarded.connect(self._on_reply_discarded)
         controller.reply_resumed.connect(self._on_reply_finished)
         controller.generating_changed.connect(lambda _on: self._update_continue())

@@ -107,6 +107,7 @@ class ChatController(QObject):
     prompt_progressed = Signal(int, int)  # done, total
     step_received = Signal(int, object, object)  # message id, Step, Stats
     reply_finished = Signal(object)  # the final Message as stored
+    reply_updated = Signal(object)  # a finished reply's Message again: its comparison joined it
     reply_discarded = Signal(int)  # message id of a reply that failed before its first step
     reply_resumed = Signal(object)  # the Message a continuation writes on (status generating)
     generating_changed = Signal(bool)
@@ -442,6 +443,7 @@ class ChatController(QObject):
             "identical": result.identical,
             "plain_finish_reason": plain.stats.finish_reason,
         })
+        self.reply_updated.emit(self.store.message(self._spec_message_id))
         self.comparison_finished.emit(result)
 
     def _idle_if_done(self) -> None:

@@ -8,7 +8,7 @@ import threading
 from PySide6.QtCore import Qt
 
 from app.store import STOPPED, stats_from_dict
-from tests.app.test_gui import TIMEOUT, plain_settings
+from tests.app.test_gui import TIMEOUT, plain_settings, send_by_keyboard, spec_settings, wait_idle
 
 
 def test_closing_mid_reply_keeps_its_numbers(qtbot, make_gui, tiny_pair) -> None:
@@ -61,3 +61,19 @@ def test_closing_while_the_prompt_is_read_saves_it_as_stop_would(qtbot, make_gui
     assert stats.finish_reason == "cancelled" and stats.generated_tokens == 0
     assert (stats.prompt_tokens, stats.prefilled_tokens) == (total, done) and done < total
     assert again.window.chat_view.cards[-1].footer.text() == "stopped before the reply began"
+
+
+def test_comparison_note_shows_on_the_card_when_the_race_ends(qtbot, make_gui,
+                                                              tiny_pair) -> None:
+    """The card's "× vs plain" note came only after a restart: the comparison was saved
+    after the card had taken the finished reply."""
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=30))
+    gui.window.compare_action.trigger()
+    with qtbot.waitSignal(gui.controller.comparison_finished, timeout=TIMEOUT) as blocker:
+        send_by_keyboard(qtbot, gui, "Tell me about cats")
+    wait_idle(qtbot, gui)
+    result = blocker.args[0]
+    note = f"{result.speedup:.2f}× vs plain (identical output)"
+    gui.window.compare_action.trigger()  # back to the chat
+    assert gui.window.chat_view.cards[-1].footer.text().endswith(" · " + note)
