@@ -26,6 +26,10 @@ from app.ui.gauge import GaugeWidget
 from app.ui.theme import widget_is_dark
 from engine.events import Stats, Step
 
+REPLAY_TIP = "Run this chat's last message again, with and without speculation"
+NO_PROMPT_TIP = "Nothing to replay yet: send a message in this chat first"
+BUSY_TIP = "Available when the reply in progress finishes"
+
 
 class ComparisonPane(QFrame):
     """One run: its title, its token-styled text, its own gauge."""
@@ -86,6 +90,7 @@ class ComparisonView(QWidget):
         self.result_label.setWordWrap(True)
         self.replay_button = QPushButton("Replay last prompt")
         self.replay_button.clicked.connect(controller.replay_comparison)
+        self._update_replay()
 
         panes = QSplitter(Qt.Orientation.Horizontal)
         panes.addWidget(self.speculative)
@@ -107,6 +112,19 @@ class ComparisonView(QWidget):
         controller.plain_step_received.connect(self._on_plain_step_received)
         controller.comparison_finished.connect(self._on_comparison_finished)
         controller.generating_changed.connect(self._on_generating_changed)
+        for signal in (controller.conversation_opened, controller.message_added):
+            signal.connect(lambda *_: self._update_replay())
+
+    def _update_replay(self) -> None:
+        """Replay is offered only when it can run: a prompt to replay, nothing generating."""
+        if self.controller.generating:
+            enabled, tip = False, BUSY_TIP
+        elif self.controller.last_prompt() is None:
+            enabled, tip = False, NO_PROMPT_TIP
+        else:
+            enabled, tip = True, REPLAY_TIP
+        self.replay_button.setEnabled(enabled)
+        self.replay_button.setToolTip(tip)
 
     def set_show_speculation(self, on: bool) -> None:
         """Tokens styled by fate, or clean Markdown, as in the chat view."""
@@ -127,7 +145,6 @@ class ComparisonView(QWidget):
         self.result_label.setText("Racing speculative against plain decoding with the same "
                                   "seed; they take turns on the engine, so each gauge shows "
                                   "its own pace…")
-        self.replay_button.setEnabled(False)
 
     def _on_prompt_progressed(self, done: int, total: int) -> None:
         if self.active:
@@ -162,8 +179,8 @@ class ComparisonView(QWidget):
             f"{result.plain.decode_tps:.1f} tok/s · {check}")
 
     def _on_generating_changed(self, generating: bool) -> None:
+        self._update_replay()
         if not generating:
             self.active = False
-            self.replay_button.setEnabled(True)
             if self.result is None and self.speculative.steps:
                 self.result_label.setText("Stopped before both runs finished.")

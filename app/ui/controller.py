@@ -157,6 +157,11 @@ class ChatController(QObject):
         return self._reply is not None or self._race_plain is not None
 
     @property
+    def comparing(self) -> bool:
+        """Whether what is generating is a comparison's race (not a plain chat reply)."""
+        return self._race_plain is not None or (self._reply is not None and self._reply.comparison)
+
+    @property
     def current_request(self) -> GenerationRequest | None:
         """The request the engine is working on (its `cancel` event is what Stop sets)."""
         return self._reply.request if self._reply else None
@@ -300,15 +305,20 @@ class ChatController(QObject):
         self.open_conversation(msg.conversation_id)
         return self.send(text)
 
+    def last_prompt(self) -> Message | None:
+        """The open conversation's last user message: what Replay runs again (None in an
+        empty chat)."""
+        if self.conversation_id is None:
+            return None
+        msgs = self.store.messages(self.conversation_id, with_steps=False)
+        return next((m for m in reversed(msgs) if m.role == "user"), None)
+
     def replay_comparison(self) -> bool:
         """Run the conversation's last prompt again both ways (replacing the last reply)."""
-        if self.generating or self.conversation_id is None:
+        prompt = self.last_prompt() if not self.generating else None
+        if prompt is None or self.conversation_id is None:
             return False
-        msgs = self.store.messages(self.conversation_id, with_steps=False)
-        users = [m for m in msgs if m.role == "user"]
-        if not users:
-            return False
-        self.store.delete_messages_from(self.conversation_id, users[-1].position + 1)
+        self.store.delete_messages_from(self.conversation_id, prompt.position + 1)
         self.open_conversation(self.conversation_id)
         self._start_reply(compare=True)
         return True

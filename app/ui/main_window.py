@@ -103,6 +103,11 @@ def load_chat_settings(qs: QSettings, target: str | None = None) -> ChatSettings
     return settings
 
 
+COMPARE_TIP = "Run each prompt with and without speculation, side by side"
+COMPARE_BUSY_TIP = ("Available when the reply in progress finishes: a comparison races "
+                    "both ways from the start")
+
+
 class MainWindow(QMainWindow):
     def __init__(self, controller: ChatController, qsettings: QSettings | None = None) -> None:
         super().__init__()
@@ -129,7 +134,7 @@ class MainWindow(QMainWindow):
         self.title_label.setObjectName("chatTitle")
         self.compare_button = QPushButton("Speculative vs plain")
         self.compare_button.setCheckable(True)
-        self.compare_button.setToolTip("Run each prompt with and without speculation, side by side")
+        self.compare_button.setToolTip(COMPARE_TIP)
         header = QHBoxLayout()
         header.setContentsMargins(12, 8, 12, 0)
         header.addWidget(self.title_label, 1)
@@ -185,6 +190,7 @@ class MainWindow(QMainWindow):
         self._build_menus()
         self._build_server_menu()
         self.compare_button.toggled.connect(self.set_comparison_mode)
+        self.compare_button.toggled.connect(lambda _on: self._update_compare_toggle())
         self.composer.message_submitted.connect(self._on_message_submitted)
         self.composer.edit_submitted.connect(self._on_edit_submitted)
         self.chat_view.edit_requested.connect(self.composer.begin_edit)
@@ -303,6 +309,16 @@ class MainWindow(QMainWindow):
         if self.compare_button.isChecked() != on:
             self.compare_button.setChecked(on)
         self.stack.setCurrentWidget(self.comparison_view if on else self.chat_view)
+
+    def _update_compare_toggle(self) -> None:
+        """The comparison view opens only when it has a race to show: turned on under a
+        chat reply it would hide that reply behind two empty panes. Leaving it is always
+        allowed."""
+        c = self.controller
+        enabled = self.comparison_mode or not c.generating or c.comparing
+        self.compare_button.setEnabled(enabled)
+        self.compare_action.setEnabled(enabled)
+        self.compare_button.setToolTip(COMPARE_TIP if enabled else COMPARE_BUSY_TIP)
 
     def focus_composer(self) -> None:
         self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
@@ -551,6 +567,7 @@ class MainWindow(QMainWindow):
         self.stop_action.setEnabled(generating)
         self.regenerate_action.setEnabled(not generating)
         self._update_continue_action()
+        self._update_compare_toggle()
         if not generating:
             self.load_progress.hide()
 

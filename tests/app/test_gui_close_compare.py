@@ -8,6 +8,8 @@ import threading
 from PySide6.QtCore import Qt
 
 from app.store import STOPPED, stats_from_dict
+from app.ui.comparison import NO_PROMPT_TIP, REPLAY_TIP
+from app.ui.main_window import COMPARE_BUSY_TIP, COMPARE_TIP
 from tests.app.test_gui import TIMEOUT, plain_settings, send_by_keyboard, spec_settings, wait_idle
 
 
@@ -77,3 +79,54 @@ def test_comparison_note_shows_on_the_card_when_the_race_ends(qtbot, make_gui,
     note = f"{result.speedup:.2f}× vs plain (identical output)"
     gui.window.compare_action.trigger()  # back to the chat
     assert gui.window.chat_view.cards[-1].footer.text().endswith(" · " + note)
+
+
+def test_replay_is_offered_only_with_a_prompt_to_replay(qtbot, make_gui, tiny_pair) -> None:
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=12))
+    view = gui.window.comparison_view
+    gui.window.compare_action.trigger()
+    gui.controller.new_conversation()
+    assert not view.replay_button.isEnabled()
+    assert view.replay_button.toolTip() == NO_PROMPT_TIP
+    assert not gui.controller.replay_comparison()
+
+    with qtbot.waitSignal(gui.controller.comparison_finished, timeout=TIMEOUT):
+        send_by_keyboard(qtbot, gui, "Tell me about cats")
+        assert not view.replay_button.isEnabled()  # while the race runs
+    wait_idle(qtbot, gui)
+    assert view.replay_button.isEnabled() and view.replay_button.toolTip() == REPLAY_TIP
+
+    gui.controller.new_conversation()  # a new, empty chat again
+    assert not view.replay_button.isEnabled()
+
+
+def test_comparison_cannot_open_over_a_chat_reply(qtbot, make_gui, tiny_pair) -> None:
+    """Turned on while a chat reply streamed, the comparison showed two empty panes and hid
+    the reply: the toggle waits for the reply to finish (leaving a race is still fine)."""
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=5000))
+    window = gui.window
+    assert window.compare_button.isEnabled() and window.compare_button.toolTip() == COMPARE_TIP
+    gui.controller.send("Count forever")
+    qtbot.waitUntil(lambda: len(window.chat_view.cards[-1].steps) >= 2, timeout=TIMEOUT)
+    assert not window.compare_button.isEnabled() and not window.compare_action.isEnabled()
+    assert window.compare_button.toolTip() == COMPARE_BUSY_TIP
+    window.compare_action.trigger()
+    qtbot.mouseClick(window.compare_button, Qt.MouseButton.LeftButton)
+    assert not window.comparison_mode and window.stack.currentWidget() is window.chat_view
+    gui.controller.stop()
+    wait_idle(qtbot, gui)
+    assert window.compare_button.isEnabled() and window.compare_action.isEnabled()
+
+    # a race may be left for the chat and opened again while it runs
+    window.compare_action.trigger()
+    gui.controller.send("Count forever", compare=True)
+    qtbot.waitUntil(lambda: len(window.comparison_view.plain.steps) >= 2, timeout=TIMEOUT)
+    window.compare_action.trigger()
+    assert window.stack.currentWidget() is window.chat_view
+    assert window.compare_button.isEnabled()
+    window.compare_action.trigger()
+    assert window.stack.currentWidget() is window.comparison_view
+    gui.controller.stop()
+    wait_idle(qtbot, gui)
