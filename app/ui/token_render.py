@@ -281,6 +281,7 @@ def conversation_markdown(title: str, messages: Sequence[Message]) -> str:
         stats = stats_from_dict(m.stats)
         note = STATUS_NOTES.get(m.status, "")
         if m.role == "assistant" and (stats or note):
-            meta = " · ".join(x for x in (footer_text(stats) if stats else "", note) if x)
+            numbers = footer_text(stats) if stats and stats.generated_tokens else ""
+            meta = " · ".join(x for x in (numbers, note) if x)
             lines += [f"*{meta}*", ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -129,9 +129,13 @@ def test_conversation_markdown_export() -> None:
              "n_accepted": 5}
     msgs = [Message(1, 1, 0, "user", "Why?"),
             Message(2, 1, 1, "assistant", "Because.", model="demo", stats=stats),
-            Message(3, 1, 2, "assistant", "Partial", status="interrupted")]
+            Message(3, 1, 2, "assistant", "Partial", status="interrupted"),
+            # stopped while its prompt was read: no numbers to report
+            Message(4, 1, 3, "assistant", "", status="stopped",
+                    stats={"generated_tokens": 0, "finish_reason": "cancelled"})]
     md = conversation_markdown("Questions", msgs)
     assert md == ("# Questions\n\n## You\n\nWhy?\n\n## Assistant (demo)\n\nBecause.\n\n"
                   "*5.0 tok/s · 10 tokens · 62% accepted · 2.0 tokens/pass*\n\n"
                   "## Assistant\n\nPartial\n\n"
-                  "*interrupted: the app closed before this reply finished*\n")
+                  "*interrupted: the app closed before this reply finished*\n\n"
+                  "## Assistant\n\n\n\n*stopped*\n")
