@@ -53,6 +53,9 @@ class _Reply:
     comparison: bool = False
     # a continuation: the reply as it stood, whose text and numbers the new run extends
     earlier: Message | None = None
+    # its conversation was deleted while it ran: the engine is stopping it, and what
+    # still arrives is neither saved nor shown
+    dropped: bool = False
 
 
 def _earlier_stats(reply: _Reply) -> Stats | None:
@@ -175,9 +178,12 @@ class ChatController(QObject):
         self.conversations_changed.emit()
 
     def delete_conversation(self, conversation_id: int) -> None:
-        if self._reply and self._reply.conversation_id == conversation_id:
-            self.stop()
-            return  # deleting under a running reply would orphan its writes; stop first
+        """Delete a conversation at once; a reply running in it is stopped, and what the
+        engine sends before it stops is dropped (its message no longer exists)."""
+        for reply in (self._reply, self._race_plain):
+            if reply is not None and reply.conversation_id == conversation_id:
+                reply.dropped = True
+                self.host.cancel(reply.request.request_id)
         self.store.delete_conversation(conversation_id)
         self.conversations_changed.emit()
         if conversation_id == self.conversation_id:
@@ -318,9 +324,18 @@ class ChatController(QObject):
                 return reply
         return None
 
+    def _forget(self, reply: _Reply) -> None:
+        """A reply whose conversation was deleted has ended: nothing is left to save."""
+        if reply is self._reply:
+            self._reply = None
+        if reply is self._race_plain:
+            self._race_plain = None
+        self._spec_finished = self._plain_finished = None  # a deleted race compares nothing
+        self._idle_if_done()
+
     def _on_prompt_progressed(self, request_id: int, done: int, total: int) -> None:
         reply = self._which(request_id)
-        if reply is None:
+        if reply is None or reply.dropped:
             return
         if reply.message_id is None:
             self.plain_prompt_progressed.emit(done, total)
@@ -329,7 +344,7 @@ class ChatController(QObject):
 
     def _on_step_generated(self, request_id: int, step: Step, stats: Stats) -> None:
         reply = self._which(request_id)
-        if reply is None:
+        if reply is None or reply.dropped:
             return
         if reply.message_id is None:
             self.plain_step_received.emit(step, stats)
@@ -340,6 +355,9 @@ class ChatController(QObject):
     def _on_generation_finished(self, request_id: int, finished: Finished) -> None:
         reply = self._which(request_id)
         if reply is None:
+            return
+        if reply.dropped:
+            self._forget(reply)
             return
         if reply.message_id is None:
             self._race_plain = None
@@ -365,6 +383,9 @@ class ChatController(QObject):
     def _on_generation_failed(self, request_id: int, message: str) -> None:
         reply = self._which(request_id)
         if reply is None:
+            return
+        if reply.dropped:
+            self._forget(reply)
             return
         cancelled = reply.request.cancel.is_set()
         if reply.message_id is None:

@@ -1,0 +1,105 @@
+"""Conversation handling as a user meets it: deleting, regenerating, renaming, drafts, a
+reply running in another chat, and New chat."""
+
+from __future__ import annotations
+
+from PySide6.QtCore import Qt, QTimer
+from PySide6.QtWidgets import QAbstractItemView, QApplication, QLineEdit, QMessageBox
+
+from tests.app.test_gui import TIMEOUT, plain_settings, wait_idle
+
+
+def answer_next_dialog(button: QMessageBox.StandardButton) -> list[str]:
+    """Press `button` in the next message box that opens (a real, modal one); the list
+    it returns gets the box's text, so a test can tell whether one opened at all."""
+    seen: list[str] = []
+
+    def answer() -> None:
+        box = QApplication.activeModalWidget()
+        if isinstance(box, QMessageBox):
+            seen.append(f"{box.text()}\n{box.informativeText()}".strip())
+            box.button(button).click()
+        elif not seen:
+            QTimer.singleShot(20, answer)  # not open yet
+
+    QTimer.singleShot(20, answer)
+    return seen
+
+
+def open_from_sidebar(qtbot, gui, conversation_id: int) -> None:
+    """Click a chat's row in the list, as a user does."""
+    sidebar = gui.window.sidebar
+    row = sidebar.model.row_of(conversation_id)
+    assert row >= 0
+    rect = sidebar.list_view.visualRect(sidebar.model.index(row))
+    qtbot.mouseClick(sidebar.list_view.viewport(), Qt.MouseButton.LeftButton,
+                     pos=rect.center())
+    assert gui.controller.conversation_id == conversation_id
+
+
+def sidebar_titles(gui) -> list[str]:
+    model = gui.window.sidebar.model
+    return [model.index(r).data() for r in range(model.rowCount())]
+
+
+def start_long_reply(qtbot, gui, text: str) -> int:
+    """Send `text` with no practical token limit and wait for the first words; returns
+    the conversation the reply runs in."""
+    gui.controller.set_settings(replace_max_tokens(gui, 5000))
+    assert gui.controller.send(text)
+    card = gui.window.chat_view.cards[-1]
+    qtbot.waitUntil(lambda: len(card.steps) >= 2, timeout=TIMEOUT)
+    return gui.controller.conversation_id
+
+
+def replace_max_tokens(gui, n: int):
+    from dataclasses import replace
+
+    return replace(gui.controller.settings, max_tokens=n)
+
+
+def test_deleting_a_chat_while_it_replies_deletes_it(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    gui.controller.send("Keep this chat")
+    wait_idle(qtbot, gui)
+    kept = gui.controller.conversation_id
+    gui.controller.new_conversation()
+    doomed = start_long_reply(qtbot, gui, "Count forever")
+    assert gui.controller.generating
+
+    seen = answer_next_dialog(QMessageBox.StandardButton.Yes)
+    gui.window._delete_current()  # Chat ▸ Delete Chat…
+    assert seen and "Count forever" in seen[0]
+    # gone at once: the list, the header and the chat shown follow
+    assert gui.store.conversation(doomed) is None
+    assert sidebar_titles(gui) == ["Keep this chat"]
+    assert gui.controller.conversation_id == kept
+    assert gui.window.title_label.text() == "Keep this chat"
+    assert [c.message.content for c in gui.window.chat_view.cards][0] == "Keep this chat"
+    wait_idle(qtbot, gui)  # the engine stopped within a step
+    # nothing of it was written after the delete, and no error was raised for it
+    assert gui.store.messages(doomed) == []
+    db = gui.store._db
+    assert db.execute("SELECT COUNT(*) FROM messages WHERE conversation_id = ?",
+                      (doomed,)).fetchone()[0] == 0
+    assert db.execute("SELECT COUNT(*) FROM steps WHERE message_id NOT IN "
+                      "(SELECT id FROM messages)").fetchone()[0] == 0
+    assert not gui.window.banner.isVisible()
+    assert gui.store.conversation(kept) is not None
+    # the app goes on
+    assert gui.controller.send("Go on")
+    wait_idle(qtbot, gui)
+    assert [m.role for m in gui.store.messages(kept)] == ["user", "assistant"] * 2
+
+
+def rename_inline(qtbot, gui, text: str) -> None:
+    editor = gui.window.sidebar.list_view.findChild(QLineEdit)
+    assert editor is not None and editor.isVisible()
+    editor.selectAll()
+    qtbot.keyClick(editor, Qt.Key.Key_Delete)
+    if text:
+        qtbot.keyClicks(editor, text)
+    qtbot.keyClick(editor, Qt.Key.Key_Return)
+    # (the delegate commits on the next event-loop turn)
+    view = gui.window.sidebar.list_view
+    qtbot.waitUntil(lambda: view.state() != QAbstractItemView.State.EditingState)
