@@ -6,6 +6,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QAbstractItemView, QApplication, QLineEdit, QMessageBox
 
+from app.ui.sidebar import ConversationIdRole
 from tests.app.test_gui import TIMEOUT, plain_settings, wait_idle
 
 
@@ -103,3 +104,32 @@ def rename_inline(qtbot, gui, text: str) -> None:
     # (the delegate commits on the next event-loop turn)
     view = gui.window.sidebar.list_view
     qtbot.waitUntil(lambda: view.state() != QAbstractItemView.State.EditingState)
+
+
+def test_renaming_a_chat_updates_the_header_and_window_title(qtbot, make_gui,
+                                                             tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    gui.controller.send("Tell me about cats")
+    wait_idle(qtbot, gui)
+    cid = gui.controller.conversation_id
+    window = gui.window
+    assert window.title_label.text() == "Tell me about cats"
+
+    window._rename_current()  # Chat ▸ Rename Chat…
+    rename_inline(qtbot, gui, "Cats")
+    assert sidebar_titles(gui) == ["Cats"]
+    assert gui.store.conversation(cid).title == "Cats"
+    assert window.title_label.text() == "Cats"
+    assert window.windowTitle() == "Cats — Understudy"
+
+    # double-click in the list, and an empty name
+    sidebar = window.sidebar
+    rect = sidebar.list_view.visualRect(sidebar.model.index(0))
+    # (a double click's second press is the one that edits: the view checks the first)
+    qtbot.mousePress(sidebar.list_view.viewport(), Qt.MouseButton.LeftButton, pos=rect.center())
+    qtbot.mouseDClick(sidebar.list_view.viewport(), Qt.MouseButton.LeftButton, pos=rect.center())
+    rename_inline(qtbot, gui, "")
+    assert sidebar_titles(gui) == ["Untitled"]
+    assert window.title_label.text() == "Untitled"
+    assert window.windowTitle() == "Untitled — Understudy"
+    assert sidebar.list_view.currentIndex().data(ConversationIdRole) == cid
