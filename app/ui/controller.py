@@ -162,11 +162,10 @@ class ChatController(QObject):
             self.host.load(settings.target)
 
     # -- conversations -------------------------------------------------------------------
-    def new_conversation(self) -> int:
-        conv = self.store.create_conversation()
-        self.conversations_changed.emit()
-        self.open_conversation(conv.id)
-        return conv.id
+    def new_conversation(self) -> None:
+        """Show an empty chat. It is saved with its first message (`send`), so clicking
+        New chat again, or leaving it, leaves no empty chats behind."""
+        self.open_conversation(None)
 
     def open_conversation(self, conversation_id: int | None) -> None:
         self.conversation_id = conversation_id

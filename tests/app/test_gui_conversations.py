@@ -133,3 +133,32 @@ def test_renaming_a_chat_updates_the_header_and_window_title(qtbot, make_gui,
     assert window.title_label.text() == "Untitled"
     assert window.windowTitle() == "Untitled — Understudy"
     assert sidebar.list_view.currentIndex().data(ConversationIdRole) == cid
+
+
+def test_new_chat_saves_no_empty_chats(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    new_button = gui.window.sidebar.new_button
+    qtbot.mouseClick(new_button, Qt.MouseButton.LeftButton)
+    qtbot.mouseClick(new_button, Qt.MouseButton.LeftButton)
+    assert gui.store.conversations() == [] and sidebar_titles(gui) == []
+    assert gui.window.title_label.text() == "New chat"
+
+    gui.controller.send("Hello there")
+    wait_idle(qtbot, gui)
+    assert sidebar_titles(gui) == ["Hello there"]
+    qtbot.mouseClick(new_button, Qt.MouseButton.LeftButton)
+    gui.window.new_action.trigger()
+    assert sidebar_titles(gui) == ["Hello there"]
+    assert gui.controller.conversation_id is None
+    assert gui.window.title_label.text() == "New chat"
+    assert gui.window.chat_view.cards == []
+    assert not gui.window.sidebar.list_view.selectionModel().hasSelection()
+
+    # the first message makes it a chat of its own
+    gui.controller.send("Second topic")
+    wait_idle(qtbot, gui)
+    assert sidebar_titles(gui) == ["Second topic", "Hello there"]
+    qtbot.mouseClick(new_button, Qt.MouseButton.LeftButton)
+    gui.close()
+    again = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    assert sidebar_titles(again) == ["Second topic", "Hello there"]
