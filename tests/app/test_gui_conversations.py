@@ -14,13 +14,14 @@ def answer_next_dialog(button: QMessageBox.StandardButton) -> list[str]:
     """Press `button` in the next message box that opens (a real, modal one); the list
     it returns gets the box's text, so a test can tell whether one opened at all."""
     seen: list[str] = []
+    tries = iter(range(100))  # looks for 2 s
 
     def answer() -> None:
         box = QApplication.activeModalWidget()
         if isinstance(box, QMessageBox):
             seen.append(f"{box.text()}\n{box.informativeText()}".strip())
             box.button(button).click()
-        elif not seen:
+        elif next(tries, None) is not None:
             QTimer.singleShot(20, answer)  # not open yet
 
     QTimer.singleShot(20, answer)
@@ -91,6 +92,50 @@ def test_deleting_a_chat_while_it_replies_deletes_it(qtbot, make_gui, tiny_pair)
     assert gui.controller.send("Go on")
     wait_idle(qtbot, gui)
     assert [m.role for m in gui.store.messages(kept)] == ["user", "assistant"] * 2
+
+
+def test_regenerating_an_earlier_reply_asks_first(qtbot, make_gui, tiny_pair,
+                                                  screenshots_dir) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    for text in ("First question", "Second question"):
+        gui.controller.send(text)
+        wait_idle(qtbot, gui)
+    cid = gui.controller.conversation_id
+    before = [m.id for m in gui.store.messages(cid)]
+    view = gui.window.chat_view
+    first_reply, last_reply = view.cards[1], view.cards[3]
+    assert "everything after it" in first_reply.regenerate_button.toolTip()
+    assert "everything after it" not in last_reply.regenerate_button.toolTip()
+
+    # an earlier reply: a confirmation first; Cancel keeps everything
+    seen = answer_next_dialog(QMessageBox.StandardButton.Cancel)
+    qtbot.mouseClick(first_reply.regenerate_button, Qt.MouseButton.LeftButton)
+    assert seen and "all 2 later messages will be deleted" in seen[0]
+    assert not gui.controller.generating
+    assert [m.id for m in gui.store.messages(cid)] == before
+    assert len(view.cards) == 4
+
+    # Yes regenerates it, dropping what came after
+    seen = answer_next_dialog(QMessageBox.StandardButton.Yes)
+    qtbot.mouseClick(view.cards[1].regenerate_button, Qt.MouseButton.LeftButton)
+    assert seen
+    wait_idle(qtbot, gui)
+    msgs = gui.store.messages(cid)
+    assert [m.role for m in msgs] == ["user", "assistant"]
+    assert msgs[0].id == before[0] and msgs[1].id > before[-1]
+
+    # the last reply stays one click: no dialog, the reply starts at once
+    gui.controller.send("Third question")
+    wait_idle(qtbot, gui)
+    seen = answer_next_dialog(QMessageBox.StandardButton.Cancel)
+    last = view.cards[-1]
+    qtbot.mouseClick(last.regenerate_button, Qt.MouseButton.LeftButton)
+    assert gui.controller.generating
+    wait_idle(qtbot, gui)
+    qtbot.wait(100)
+    assert seen == []
+    assert [m.role for m in gui.store.messages(cid)] == ["user", "assistant"] * 2
+    view.grab().save(str(screenshots_dir / "regenerate_tooltip.png"))
 
 
 def rename_inline(qtbot, gui, text: str) -> None:
