@@ -59,7 +59,11 @@ class ComposerEdit(QPlainTextEdit):
 
 
 class Composer(QWidget):
-    """Input box plus Send/Stop; can be put in "edit a previous message" mode."""
+    """Input box plus Send/Stop; can be put in "edit a previous message" mode.
+
+    What is typed and not sent is a draft of the open chat: switching chats keeps it with
+    that chat (in memory while the app runs) and brings back the new chat's own.
+    """
 
     message_submitted = Signal(str)
     edit_submitted = Signal(int, str)  # message id being edited, its new text
@@ -74,6 +78,9 @@ class Composer(QWidget):
         self.stop_button.setObjectName("stopButton")
         self.stop_button.hide()
         self.editing_id: int | None = None
+        self._pre_edit_draft = ""  # what the box held when an edit began
+        self._conversation_id = controller.conversation_id  # whose draft the box holds
+        self._drafts: dict[int | None, str] = {}  # the other chats' drafts
         self.editing_label = QLabel("Editing an earlier message: sending replaces it and "
                                     "everything after it.")
         self.editing_label.setObjectName("editingHint")
@@ -102,6 +109,7 @@ class Composer(QWidget):
         self.send_button.clicked.connect(self._on_submitted)
         self.stop_button.clicked.connect(controller.stop)
         controller.generating_changed.connect(self._on_generating_changed)
+        controller.conversation_opened.connect(self._on_conversation_opened)
 
     @property
     def text(self) -> str:
@@ -114,14 +122,39 @@ class Composer(QWidget):
 
     def begin_edit(self, message_id: int, text: str) -> None:
         """Load an earlier user message for editing; the next send replaces it."""
+        if self.editing_id is None:
+            self._pre_edit_draft = self.text
         self.editing_id = message_id
         self.edit_row.show()
         self.set_text(text)
 
     def cancel_edit(self) -> None:
+        """Leave edit mode; the box gets back the draft the edit covered."""
+        if self.editing_id is None:
+            return
+        self._end_edit()
+
+    def _end_edit(self) -> None:
         self.editing_id = None
         self.edit_row.hide()
-        self.edit.clear()
+        self._show_draft(self._pre_edit_draft)
+        self._pre_edit_draft = ""
+
+    def _show_draft(self, text: str) -> None:
+        self.edit.setPlainText(text)
+        self.edit.moveCursor(self.edit.textCursor().MoveOperation.End)
+
+    def _on_conversation_opened(self, _messages: object) -> None:
+        """Another chat: an edit in progress ends, and the draft stays with its chat."""
+        if self.editing_id is not None:
+            self._end_edit()
+        now = self.controller.conversation_id
+        if now == self._conversation_id:
+            return
+        if self.text:
+            self._drafts[self._conversation_id] = self.text
+        self._conversation_id = now
+        self._show_draft(self._drafts.pop(now, ""))
 
     def _on_submitted(self) -> None:
         text = self.edit.toPlainText()
@@ -129,8 +162,8 @@ class Composer(QWidget):
             return
         self.edit.clear()
         if self.editing_id is not None:
-            message_id, self.editing_id = self.editing_id, None
-            self.edit_row.hide()
+            message_id = self.editing_id
+            self._end_edit()
             self.edit_submitted.emit(message_id, text)
         else:
             self.message_submitted.emit(text)

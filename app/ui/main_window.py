@@ -555,8 +555,7 @@ class MainWindow(QMainWindow):
             self.load_progress.hide()
 
     def _on_conversation_opened(self, _messages: object) -> None:
-        self._update_title()
-        self.composer.cancel_edit()
+        self._update_title()  # (the composer ends an edit and keeps drafts itself)
         self.composer.edit.setFocus()
 
     def _update_title(self) -> None:

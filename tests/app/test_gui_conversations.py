@@ -39,6 +39,11 @@ def open_from_sidebar(qtbot, gui, conversation_id: int) -> None:
     assert gui.controller.conversation_id == conversation_id
 
 
+def edit_button_of(card):
+    [button] = [b for b in card.findChildren(type(card.copy_button)) if b.text() == "Edit"]
+    return button
+
+
 def sidebar_titles(gui) -> list[str]:
     model = gui.window.sidebar.model
     return [model.index(r).data() for r in range(model.rowCount())]
@@ -136,6 +141,56 @@ def test_regenerating_an_earlier_reply_asks_first(qtbot, make_gui, tiny_pair,
     assert seen == []
     assert [m.role for m in gui.store.messages(cid)] == ["user", "assistant"] * 2
     view.grab().save(str(screenshots_dir / "regenerate_tooltip.png"))
+
+
+def test_a_draft_survives_switching_chats(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    composer = gui.window.composer
+    gui.controller.send("First chat")
+    wait_idle(qtbot, gui)
+    first = gui.controller.conversation_id
+    qtbot.keyClicks(composer.edit, "half-typed draft")
+
+    qtbot.mouseClick(gui.window.sidebar.new_button, Qt.MouseButton.LeftButton)
+    assert composer.text == ""
+    qtbot.keyClicks(composer.edit, "new chat draft")
+    open_from_sidebar(qtbot, gui, first)
+    assert composer.text == "half-typed draft"
+    gui.window.new_action.trigger()
+    assert composer.text == "new chat draft"
+    open_from_sidebar(qtbot, gui, first)
+
+    # an edit in progress is cancelled by leaving; the draft it covered comes back
+    edit_button = edit_button_of(gui.window.chat_view.cards[0])
+    qtbot.mouseClick(edit_button, Qt.MouseButton.LeftButton)
+    assert composer.text == "First chat" and composer.editing_id is not None
+    gui.window.new_action.trigger()
+    assert composer.editing_id is None and not composer.edit_row.isVisible()
+    assert composer.text == "new chat draft"
+    open_from_sidebar(qtbot, gui, first)
+    assert composer.text == "half-typed draft"
+    qtbot.mouseClick(edit_button, Qt.MouseButton.LeftButton)
+    qtbot.mouseClick(composer.cancel_edit_button, Qt.MouseButton.LeftButton)
+    assert composer.text == "half-typed draft"
+
+    # what is sent is no draft any more
+    qtbot.keyClick(composer.edit, Qt.Key.Key_Return)
+    wait_idle(qtbot, gui)
+    assert gui.store.messages(first)[-2].content == "half-typed draft"
+    gui.window.new_action.trigger()
+    open_from_sidebar(qtbot, gui, first)
+    assert composer.text == ""
+
+    # sending an edit brings back the draft it covered
+    qtbot.keyClicks(composer.edit, "later draft")
+    qtbot.mouseClick(edit_button_of(gui.window.chat_view.cards[0]), Qt.MouseButton.LeftButton)
+    assert composer.editing_id is not None
+    composer.set_text("First chat, edited")
+    qtbot.keyClick(composer.edit, Qt.Key.Key_Return)
+    wait_idle(qtbot, gui)
+    assert [m.content for m in gui.store.messages(first)][0] == "First chat, edited"
+    assert len(gui.store.messages(first)) == 2
+    assert composer.text == "later draft" and composer.editing_id is None
 
 
 def rename_inline(qtbot, gui, text: str) -> None:
