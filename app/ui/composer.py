@@ -1,11 +1,14 @@
 """The message composer: multi-line input where Enter sends and Shift+Enter breaks the line.
 
-While a reply is generating the Send button becomes Stop. The composer only reports what
+While a reply is generating in the open chat the Send button becomes Stop; in another
+chat Send waits, and a line names the chat that is replying. The composer only reports what
 the user wants (`message_submitted`); the main window decides where it goes (a chat reply
 or a comparison run).
 """
 
 from __future__ import annotations
+
+import html
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
@@ -94,6 +97,13 @@ class Composer(QWidget):
         self.edit_row = QWidget()
         self.edit_row.setLayout(edit_row)
         self.edit_row.hide()
+        # a reply runs in another chat: say which, and offer to go there (Stop is there)
+        self.busy_label = QLabel()
+        self.busy_label.setObjectName("busyHint")
+        self.busy_label.setWordWrap(True)
+        self.busy_label.setTextFormat(Qt.TextFormat.RichText)
+        self.busy_label.linkActivated.connect(self._on_busy_link)
+        self.busy_label.hide()
         row = QHBoxLayout()
         row.setContentsMargins(0, 0, 0, 0)
         row.addWidget(self.edit, 1)
@@ -103,6 +113,7 @@ class Composer(QWidget):
         layout.setContentsMargins(8, 4, 8, 8)
         layout.setSpacing(2)
         layout.addWidget(self.edit_row)
+        layout.addWidget(self.busy_label)
         layout.addLayout(row)
 
         self.edit.submitted.connect(self._on_submitted)
@@ -110,6 +121,7 @@ class Composer(QWidget):
         self.stop_button.clicked.connect(controller.stop)
         controller.generating_changed.connect(self._on_generating_changed)
         controller.conversation_opened.connect(self._on_conversation_opened)
+        controller.conversations_changed.connect(self._update_send_stop)  # (a renamed chat)
 
     @property
     def text(self) -> str:
@@ -148,6 +160,7 @@ class Composer(QWidget):
         """Another chat: an edit in progress ends, and the draft stays with its chat."""
         if self.editing_id is not None:
             self._end_edit()
+        self._update_send_stop()
         now = self.controller.conversation_id
         if now == self._conversation_id:
             return
@@ -168,6 +181,27 @@ class Composer(QWidget):
         else:
             self.message_submitted.emit(text)
 
-    def _on_generating_changed(self, generating: bool) -> None:
-        self.send_button.setVisible(not generating)
-        self.stop_button.setVisible(generating)
+    def _on_generating_changed(self, _generating: bool) -> None:
+        self._update_send_stop()
+
+    def _update_send_stop(self) -> None:
+        """Stop in the chat whose reply runs; elsewhere Send, greyed out until it ends,
+        under a line that names that chat."""
+        controller = self.controller
+        here = controller.generating_here
+        running = controller.generating_conversation_id
+        self.send_button.setVisible(not here)
+        self.send_button.setEnabled(not controller.generating)
+        self.stop_button.setVisible(here)
+        elsewhere = running is not None and not here
+        if elsewhere:
+            conv = controller.store.conversation(running)
+            title = html.escape(conv.title) if conv is not None else "another chat"
+            self.busy_label.setText(f"Writing a reply in “{title}”: you can send once it "
+                                    'finishes. <a href="open">Go to that chat</a>')
+        self.busy_label.setVisible(elsewhere)
+
+    def _on_busy_link(self, _link: str) -> None:
+        running = self.controller.generating_conversation_id
+        if running is not None:
+            self.controller.open_conversation(running)

@@ -142,6 +142,22 @@ class ChatController(QObject):
         return self._reply is not None or self._race_plain is not None
 
     @property
+    def generating_conversation_id(self) -> int | None:
+        """The conversation whose reply is being written (None when none is, or only one
+        of a deleted conversation is still stopping)."""
+        for reply in (self._reply, self._race_plain):
+            if reply is not None and not reply.dropped:
+                return reply.conversation_id
+        return None
+
+    @property
+    def generating_here(self) -> bool:
+        """Whether the reply being written is the open conversation's (Stop is offered
+        there alone: elsewhere it would end a reply out of view)."""
+        running = self.generating_conversation_id
+        return running is not None and running == self.conversation_id
+
+    @property
     def current_request(self) -> GenerationRequest | None:
         """The request the engine is working on (its `cancel` event is what Stop sets)."""
         return self._reply.request if self._reply else None

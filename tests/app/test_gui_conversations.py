@@ -7,7 +7,7 @@ from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QAbstractItemView, QApplication, QLineEdit, QMessageBox
 
 from app.ui.sidebar import ConversationIdRole
-from tests.app.test_gui import TIMEOUT, plain_settings, wait_idle
+from tests.app.test_gui import TIMEOUT, plain_settings, send_by_keyboard, wait_idle
 
 
 def answer_next_dialog(button: QMessageBox.StandardButton) -> list[str]:
@@ -233,6 +233,51 @@ def test_renaming_a_chat_updates_the_header_and_window_title(qtbot, make_gui,
     assert window.title_label.text() == "Untitled"
     assert window.windowTitle() == "Untitled — Understudy"
     assert sidebar.list_view.currentIndex().data(ConversationIdRole) == cid
+
+
+def test_a_reply_running_in_another_chat_is_named_not_stoppable_here(qtbot, make_gui,
+                                                                     tiny_pair,
+                                                                     screenshots_dir) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    window, composer = gui.window, gui.window.composer
+    gui.controller.send("Quiet chat")
+    wait_idle(qtbot, gui)
+    quiet = gui.controller.conversation_id
+    gui.controller.new_conversation()
+    busy = start_long_reply(qtbot, gui, "Tell me about dragons")
+    assert composer.stop_button.isVisible() and not composer.send_button.isVisible()
+    assert window.stop_action.isEnabled()
+
+    open_from_sidebar(qtbot, gui, quiet)
+    assert gui.controller.generating
+    assert composer.send_button.isVisible() and not composer.send_button.isEnabled()
+    assert not composer.stop_button.isVisible()
+    assert not window.stop_action.isEnabled()
+    assert composer.busy_label.isVisible()
+    assert "“Tell me about dragons”" in composer.busy_label.text()
+    qtbot.wait(50)  # (the cards of the chat left are deleted on the next turn)
+    window.grab().save(str(screenshots_dir / "reply_running_in_another_chat.png"))
+    # Enter keeps the text (nothing can be sent yet) and the other reply runs on
+    send_by_keyboard(qtbot, gui, "Hello again")
+    assert composer.text == "Hello again"
+    assert len(gui.store.messages(quiet)) == 2
+    assert gui.controller.generating
+
+    # the hint's link goes to the chat that replies: Stop is there, and stops it
+    assert composer.busy_label.textInteractionFlags() & Qt.TextInteractionFlag.LinksAccessibleByMouse
+    composer.busy_label.linkActivated.emit("open")
+    assert gui.controller.conversation_id == busy
+    assert composer.stop_button.isVisible() and not composer.busy_label.isVisible()
+    assert window.stop_action.isEnabled()
+    qtbot.mouseClick(composer.stop_button, Qt.MouseButton.LeftButton)
+    wait_idle(qtbot, gui)
+
+    open_from_sidebar(qtbot, gui, quiet)
+    assert composer.send_button.isEnabled() and not composer.busy_label.isVisible()
+    assert composer.text == "Hello again"  # (the draft stayed with its chat)
+    qtbot.keyClick(composer.edit, Qt.Key.Key_Return)
+    wait_idle(qtbot, gui)
+    assert [m.content for m in gui.store.messages(quiet)][2] == "Hello again"
 
 
 def test_new_chat_saves_no_empty_chats(qtbot, make_gui, tiny_pair) -> None:
