@@ -3,6 +3,8 @@ reply running in another chat, and New chat."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtWidgets import QAbstractItemView, QApplication, QLineEdit, QMessageBox
 
@@ -52,17 +54,11 @@ def sidebar_titles(gui) -> list[str]:
 def start_long_reply(qtbot, gui, text: str) -> int:
     """Send `text` with no practical token limit and wait for the first words; returns
     the conversation the reply runs in."""
-    gui.controller.set_settings(replace_max_tokens(gui, 5000))
+    gui.controller.set_settings(replace(gui.controller.settings, max_tokens=5000))
     assert gui.controller.send(text)
     card = gui.window.chat_view.cards[-1]
     qtbot.waitUntil(lambda: len(card.steps) >= 2, timeout=TIMEOUT)
     return gui.controller.conversation_id
-
-
-def replace_max_tokens(gui, n: int):
-    from dataclasses import replace
-
-    return replace(gui.controller.settings, max_tokens=n)
 
 
 def test_deleting_a_chat_while_it_replies_deletes_it(qtbot, make_gui, tiny_pair) -> None:
