@@ -18,6 +18,7 @@ from PySide6.QtWidgets import (
     QFrame,
     QHBoxLayout,
     QLabel,
+    QMessageBox,
     QScrollArea,
     QSizePolicy,
     QTextBrowser,
@@ -42,6 +43,10 @@ from app.ui.token_render import (
     wrap_pre,
 )
 from engine.events import Stats, Step
+
+REGENERATE_TIP = "Generate this reply again"
+# an earlier reply: what follows it was written from it, so it goes too
+REGENERATE_EARLIER_TIP = "Generate this reply again (replaces it and everything after it)"
 
 STATUS_TEXT = {
     GENERATING: "generating…",
@@ -152,7 +157,7 @@ class MessageCard(QFrame):
                 self.continue_requested)
             self.continue_button.hide()  # the view shows it on a last reply cut short
             header.addWidget(self.continue_button)
-            self.regenerate_button = self._action("Regenerate", "Generate this reply again",
+            self.regenerate_button = self._action("Regenerate", REGENERATE_TIP,
                                                   self.regenerate_requested)
             header.addWidget(self.regenerate_button)
         layout = QVBoxLayout(self)
@@ -379,12 +384,15 @@ class ChatView(QWidget):
 
     def _update_continue(self) -> None:
         """Offer Continue on the conversation's last message alone, when it is a reply cut
-        short and nothing is being generated."""
+        short and nothing is being generated; say on an earlier reply's Regenerate that it
+        replaces what follows."""
         busy = self.controller.generating
         for i, card in enumerate(self.cards):
             if card.message.role == "assistant":
-                card.continue_button.setVisible(
-                    not busy and i == len(self.cards) - 1 and continuable(card.message))
+                last = i == len(self.cards) - 1
+                card.continue_button.setVisible(not busy and last and continuable(card.message))
+                card.regenerate_button.setToolTip(REGENERATE_TIP if last
+                                                  else REGENERATE_EARLIER_TIP)
 
     def _place_context_divider(self) -> None:
         """Put the divider before the first message the newest reply read, when that reply
@@ -410,7 +418,7 @@ class ChatView(QWidget):
         card = MessageCard(message, self)
         card.copy_requested.connect(self._on_copy_requested)
         card.edit_requested.connect(self._on_edit_requested)
-        card.regenerate_requested.connect(self.controller.regenerate)
+        card.regenerate_requested.connect(self._on_regenerate_requested)
         card.continue_requested.connect(self.controller.continue_reply)
         self.column_layout.insertWidget(self.column_layout.count() - 1, card)
         self.cards.append(card)
@@ -462,6 +470,29 @@ class ChatView(QWidget):
         self._update_empty()
         self._place_context_divider()
         self._update_continue()
+
+    def _on_regenerate_requested(self, message_id: int) -> None:
+        """Regenerate a reply; an earlier one only once the user agrees to lose the
+        messages after it (the last reply stays one click)."""
+        card = self.card_for(message_id)
+        if card is None or self.controller.generating:
+            return
+        later = len(self.cards) - 1 - self.cards.index(card)
+        if later and not self._confirm_regenerate(later):
+            return
+        self.controller.regenerate(message_id)
+
+    def _confirm_regenerate(self, later: int) -> bool:
+        box = QMessageBox(QMessageBox.Icon.Question, "Regenerate Reply",
+                          "Regenerate this reply?", parent=self)
+        what = "the later message" if later == 1 else f"all {later} later messages"
+        box.setInformativeText(f"This replaces it and everything after it: {what} "
+                               "will be deleted.")
+        box.setStandardButtons(QMessageBox.StandardButton.Yes
+                               | QMessageBox.StandardButton.Cancel)
+        box.button(QMessageBox.StandardButton.Yes).setText("Regenerate")
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        return box.exec() == QMessageBox.StandardButton.Yes
 
     def _on_copy_requested(self, message_id: int) -> None:
         card = self.card_for(message_id)

@@ -1,11 +1,14 @@
 """The message composer: multi-line input where Enter sends and Shift+Enter breaks the line.
 
-While a reply is generating the Send button becomes Stop. The composer only reports what
+While a reply is generating in the open chat the Send button becomes Stop; in another
+chat Send waits, and a line names the chat that is replying. The composer only reports what
 the user wants (`message_submitted`); the main window decides where it goes (a chat reply
 or a comparison run).
 """
 
 from __future__ import annotations
+
+import html
 
 from PySide6.QtCore import Qt, Signal
 from PySide6.QtGui import QKeyEvent
@@ -59,7 +62,11 @@ class ComposerEdit(QPlainTextEdit):
 
 
 class Composer(QWidget):
-    """Input box plus Send/Stop; can be put in "edit a previous message" mode."""
+    """Input box plus Send/Stop; can be put in "edit a previous message" mode.
+
+    What is typed and not sent is a draft of the open chat: switching chats keeps it with
+    that chat (in memory while the app runs) and brings back the new chat's own.
+    """
 
     message_submitted = Signal(str)
     edit_submitted = Signal(int, str)  # message id being edited, its new text
@@ -74,6 +81,9 @@ class Composer(QWidget):
         self.stop_button.setObjectName("stopButton")
         self.stop_button.hide()
         self.editing_id: int | None = None
+        self._pre_edit_draft = ""  # what the box held when an edit began
+        self._conversation_id = controller.conversation_id  # whose draft the box holds
+        self._drafts: dict[int | None, str] = {}  # the other chats' drafts
         self.editing_label = QLabel("Editing an earlier message: sending replaces it and "
                                     "everything after it.")
         self.editing_label.setObjectName("editingHint")
@@ -87,6 +97,13 @@ class Composer(QWidget):
         self.edit_row = QWidget()
         self.edit_row.setLayout(edit_row)
         self.edit_row.hide()
+        # a reply runs in another chat: say which, and offer to go there (Stop is there)
+        self.busy_label = QLabel()
+        self.busy_label.setObjectName("busyHint")
+        self.busy_label.setWordWrap(True)
+        self.busy_label.setTextFormat(Qt.TextFormat.RichText)
+        self.busy_label.linkActivated.connect(self._on_busy_link)
+        self.busy_label.hide()
         row = QHBoxLayout()
         row.setContentsMargins(0, 0, 0, 0)
         row.addWidget(self.edit, 1)
@@ -96,12 +113,15 @@ class Composer(QWidget):
         layout.setContentsMargins(8, 4, 8, 8)
         layout.setSpacing(2)
         layout.addWidget(self.edit_row)
+        layout.addWidget(self.busy_label)
         layout.addLayout(row)
 
         self.edit.submitted.connect(self._on_submitted)
         self.send_button.clicked.connect(self._on_submitted)
         self.stop_button.clicked.connect(controller.stop)
         controller.generating_changed.connect(self._on_generating_changed)
+        controller.conversation_opened.connect(self._on_conversation_opened)
+        controller.conversations_changed.connect(self._update_send_stop)  # (a renamed chat)
 
     @property
     def text(self) -> str:
@@ -114,14 +134,40 @@ class Composer(QWidget):
 
     def begin_edit(self, message_id: int, text: str) -> None:
         """Load an earlier user message for editing; the next send replaces it."""
+        if self.editing_id is None:
+            self._pre_edit_draft = self.text
         self.editing_id = message_id
         self.edit_row.show()
         self.set_text(text)
 
     def cancel_edit(self) -> None:
+        """Leave edit mode; the box gets back the draft the edit covered."""
+        if self.editing_id is None:
+            return
+        self._end_edit()
+
+    def _end_edit(self) -> None:
         self.editing_id = None
         self.edit_row.hide()
-        self.edit.clear()
+        self._show_draft(self._pre_edit_draft)
+        self._pre_edit_draft = ""
+
+    def _show_draft(self, text: str) -> None:
+        self.edit.setPlainText(text)
+        self.edit.moveCursor(self.edit.textCursor().MoveOperation.End)
+
+    def _on_conversation_opened(self, _messages: object) -> None:
+        """Another chat: an edit in progress ends, and the draft stays with its chat."""
+        if self.editing_id is not None:
+            self._end_edit()
+        self._update_send_stop()
+        now = self.controller.conversation_id
+        if now == self._conversation_id:
+            return
+        if self.text:
+            self._drafts[self._conversation_id] = self.text
+        self._conversation_id = now
+        self._show_draft(self._drafts.pop(now, ""))
 
     def _on_submitted(self) -> None:
         text = self.edit.toPlainText()
@@ -129,12 +175,33 @@ class Composer(QWidget):
             return
         self.edit.clear()
         if self.editing_id is not None:
-            message_id, self.editing_id = self.editing_id, None
-            self.edit_row.hide()
+            message_id = self.editing_id
+            self._end_edit()
             self.edit_submitted.emit(message_id, text)
         else:
             self.message_submitted.emit(text)
 
-    def _on_generating_changed(self, generating: bool) -> None:
-        self.send_button.setVisible(not generating)
-        self.stop_button.setVisible(generating)
+    def _on_generating_changed(self, _generating: bool) -> None:
+        self._update_send_stop()
+
+    def _update_send_stop(self) -> None:
+        """Stop in the chat whose reply runs; elsewhere Send, greyed out until it ends,
+        under a line that names that chat."""
+        controller = self.controller
+        here = controller.generating_here
+        running = controller.generating_conversation_id
+        self.send_button.setVisible(not here)
+        self.send_button.setEnabled(not controller.generating)
+        self.stop_button.setVisible(here)
+        elsewhere = running is not None and not here
+        if elsewhere:
+            conv = controller.store.conversation(running)
+            title = html.escape(conv.title) if conv is not None else "another chat"
+            self.busy_label.setText(f"Writing a reply in “{title}”: you can send once it "
+                                    'finishes. <a href="open">Go to that chat</a>')
+        self.busy_label.setVisible(elsewhere)
+
+    def _on_busy_link(self, _link: str) -> None:
+        running = self.controller.generating_conversation_id
+        if running is not None:
+            self.controller.open_conversation(running)

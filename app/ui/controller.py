@@ -59,6 +59,9 @@ class _Reply:
     # (done, total) of the prompt read so far (done counts a cached prefix too), for a
     # reply closed before its first token
     prompt: tuple[int, int] = (0, 0)
+    # its conversation was deleted while it ran: the engine is stopping it, and what
+    # still arrives is neither saved nor shown
+    dropped: bool = False
 
 
 def _earlier_stats(reply: _Reply) -> Stats | None:
@@ -162,6 +165,22 @@ class ChatController(QObject):
         return self._race_plain is not None or (self._reply is not None and self._reply.comparison)
 
     @property
+    def generating_conversation_id(self) -> int | None:
+        """The conversation whose reply is being written (None when none is, or only one
+        of a deleted conversation is still stopping)."""
+        for reply in (self._reply, self._race_plain):
+            if reply is not None and not reply.dropped:
+                return reply.conversation_id
+        return None
+
+    @property
+    def generating_here(self) -> bool:
+        """Whether the reply being written is the open conversation's (Stop is offered
+        there alone: elsewhere it would end a reply out of view)."""
+        running = self.generating_conversation_id
+        return running is not None and running == self.conversation_id
+
+    @property
     def current_request(self) -> GenerationRequest | None:
         """The request the engine is working on (its `cancel` event is what Stop sets)."""
         return self._reply.request if self._reply else None
@@ -182,11 +201,10 @@ class ChatController(QObject):
             self.host.load(settings.target)
 
     # -- conversations -------------------------------------------------------------------
-    def new_conversation(self) -> int:
-        conv = self.store.create_conversation()
-        self.conversations_changed.emit()
-        self.open_conversation(conv.id)
-        return conv.id
+    def new_conversation(self) -> None:
+        """Show an empty chat. It is saved with its first message (`send`), so clicking
+        New chat again, or leaving it, leaves no empty chats behind."""
+        self.open_conversation(None)
 
     def open_conversation(self, conversation_id: int | None) -> None:
         self.conversation_id = conversation_id
@@ -198,9 +216,12 @@ class ChatController(QObject):
         self.conversations_changed.emit()
 
     def delete_conversation(self, conversation_id: int) -> None:
-        if self._reply and self._reply.conversation_id == conversation_id:
-            self.stop()
-            return  # deleting under a running reply would orphan its writes; stop first
+        """Delete a conversation at once; a reply running in it is stopped, and what the
+        engine sends before it stops is dropped (its message no longer exists)."""
+        for reply in (self._reply, self._race_plain):
+            if reply is not None and reply.conversation_id == conversation_id:
+                reply.dropped = True
+                self.host.cancel(reply.request.request_id)
         self.store.delete_conversation(conversation_id)
         self.conversations_changed.emit()
         if conversation_id == self.conversation_id:
@@ -243,7 +264,7 @@ class ChatController(QObject):
         was_generating = self.generating
         self.stop()
         reply, self._reply, self._race_plain = self._reply, None, None
-        if reply is not None and reply.message_id is not None:
+        if reply is not None and reply.message_id is not None and not reply.dropped:
             if reply.earlier is not None and reply.live is None:
                 self.store.finish_reply(reply.message_id, status=reply.earlier.status,
                                         stats=_earlier_stats(reply), error=reply.earlier.error)
@@ -360,9 +381,18 @@ class ChatController(QObject):
                 return reply
         return None
 
+    def _forget(self, reply: _Reply) -> None:
+        """A reply whose conversation was deleted has ended: nothing is left to save."""
+        if reply is self._reply:
+            self._reply = None
+        if reply is self._race_plain:
+            self._race_plain = None
+        self._spec_finished = self._plain_finished = None  # a deleted race compares nothing
+        self._idle_if_done()
+
     def _on_prompt_progressed(self, request_id: int, done: int, total: int) -> None:
         reply = self._which(request_id)
-        if reply is None:
+        if reply is None or reply.dropped:
             return
         if reply.message_id is None:
             self.plain_prompt_progressed.emit(done, total)
@@ -372,7 +402,7 @@ class ChatController(QObject):
 
     def _on_step_generated(self, request_id: int, step: Step, stats: Stats) -> None:
         reply = self._which(request_id)
-        if reply is None:
+        if reply is None or reply.dropped:
             return
         if reply.message_id is None:
             self.plain_step_received.emit(step, stats)
@@ -384,6 +414,9 @@ class ChatController(QObject):
     def _on_generation_finished(self, request_id: int, finished: Finished) -> None:
         reply = self._which(request_id)
         if reply is None:
+            return
+        if reply.dropped:
+            self._forget(reply)
             return
         if reply.message_id is None:
             self._race_plain = None
@@ -409,6 +442,9 @@ class ChatController(QObject):
     def _on_generation_failed(self, request_id: int, message: str) -> None:
         reply = self._which(request_id)
         if reply is None:
+            return
+        if reply.dropped:
+            self._forget(reply)
             return
         cancelled = reply.request.cancel.is_set()
         if reply.message_id is None:

@@ -564,7 +564,7 @@ class MainWindow(QMainWindow):
         self.gauge.show_final(stats_from_dict(message.stats))
 
     def _on_generating_changed(self, generating: bool) -> None:
-        self.stop_action.setEnabled(generating)
+        self._update_stop_action()
         self.regenerate_action.setEnabled(not generating)
         self._update_continue_action()
         self._update_compare_toggle()
@@ -572,9 +572,13 @@ class MainWindow(QMainWindow):
             self.load_progress.hide()
 
     def _on_conversation_opened(self, _messages: object) -> None:
-        self._update_title()
-        self.composer.cancel_edit()
+        self._update_title()  # (the composer ends an edit and keeps drafts itself)
+        self._update_stop_action()
         self.composer.edit.setFocus()
+
+    def _update_stop_action(self) -> None:
+        """Chat ▸ Stop stops the open chat's reply only (as the composer's Stop)."""
+        self.stop_action.setEnabled(self.controller.generating_here)
 
     def _update_title(self) -> None:
         cid = self.controller.conversation_id

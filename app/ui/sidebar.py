@@ -41,6 +41,8 @@ Index = QModelIndex | QPersistentModelIndex
 class ConversationListModel(QAbstractListModel):
     """Conversations, most recent first, optionally filtered by a search string."""
 
+    title_edited = Signal(int, str)  # conversation id, the title typed in the list
+
     def __init__(self, store: Store, parent=None) -> None:
         super().__init__(parent)
         self.store = store
@@ -71,14 +73,11 @@ class ConversationListModel(QAbstractListModel):
         return None
 
     def setData(self, index: Index, value: Any, role: int = Qt.ItemDataRole.EditRole) -> bool:  # noqa: N802
+        """A title typed in the list goes to whoever renames (the controller), so the
+        header and window title follow; the rows come back through `refresh`."""
         if role != Qt.ItemDataRole.EditRole or not index.isValid():
             return False
-        conv = self._rows[index.row()]
-        self.store.rename_conversation(conv.id, str(value))
-        renamed = self.store.conversation(conv.id)
-        if renamed is not None:
-            self._rows[index.row()] = renamed
-        self.dataChanged.emit(index, index)
+        self.title_edited.emit(self._rows[index.row()].id, str(value))
         return True
 
     def flags(self, index: Index) -> Qt.ItemFlag:
@@ -137,6 +136,7 @@ class Sidebar(QWidget):
         layout.addWidget(self.list_view, 1)
 
         self.new_button.clicked.connect(controller.new_conversation)
+        self.model.title_edited.connect(controller.rename_conversation)
         self.search_edit.textChanged.connect(self._on_search_changed)
         self.list_view.clicked.connect(self._on_clicked)
         self.list_view.customContextMenuRequested.connect(self._on_context_menu)

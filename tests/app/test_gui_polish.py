@@ -80,9 +80,12 @@ def test_long_chat_titles_are_elided_with_the_full_title_on_hover(qtbot, make_gu
                                                                   screenshots_dir) -> None:
     gui = make_gui(plain_settings(tiny_pair[0]))
     title = "A question about " + "very " * 30 + "long titles in the sidebar"
-    cid = gui.controller.new_conversation()
+    for text in ("A question", "Another question"):
+        gui.controller.new_conversation()
+        gui.controller.send(text)
+        wait_idle(qtbot, gui)
+    cid = gui.store.conversations()[-1].id
     gui.controller.rename_conversation(cid, title)
-    gui.controller.new_conversation()
     sidebar = gui.window.sidebar
     view = sidebar.list_view
     qtbot.waitUntil(lambda: view.model().rowCount() == 2)
