@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QGuiApplication, QTextCursor, QTextDocument
+from PySide6.QtGui import QGuiApplication, QTextCursor, QTextDocument, QTextOption
 from PySide6.QtWidgets import (
     QCheckBox,
     QFrame,
@@ -37,8 +37,8 @@ from app.ui.token_render import (
     footer_text,
     kind_css,
     markdown_html,
-    plain_html,
     tokens_html,
+    user_message_html,
     wrap_pre,
 )
 from engine.events import Stats, Step
@@ -62,6 +62,9 @@ class TokenBrowser(QTextBrowser):
         self.anchorClicked.connect(self._on_anchor_clicked)
         self._fit = fit_height
         if fit_height:
+            # No scroll bars: the text wraps at the width (code lines too, and a string
+            # with no break, such as a long URL, anywhere) and the box is as tall as it.
+            self.setWordWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
             self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
             self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
             self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
@@ -199,8 +202,9 @@ class MessageCard(QFrame):
         dark = widget_is_dark(self.view)  # the view follows the app palette immediately
         m = self.message
         if m.role != "assistant":
-            self.browser.code_blocks = []
-            self.browser.setHtml(plain_html(m.content))
+            rendered = user_message_html(m.content, dark)  # pasted code shows as code
+            self.browser.code_blocks = rendered.code_blocks
+            self.browser.setHtml(rendered.html)
         else:
             self.browser.show_reply(self.steps, self.text(), speculation=self.view.show_speculation,
                                     show_rejected=self.view.show_rejected, dark=dark)
