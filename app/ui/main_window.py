@@ -39,6 +39,7 @@ from app.ui.chat_view import ChatView
 from app.ui.comparison import ComparisonView
 from app.ui.composer import Composer
 from app.ui.controller import ChatController
+from app.ui.elided_label import ElidedLabel
 from app.ui.gauge import GaugeWidget
 from app.ui.settings_panel import SettingsPanel
 from app.ui.sidebar import Sidebar
@@ -55,6 +56,9 @@ if TYPE_CHECKING:
     from app.ui.preferences import PreferencesDialog
     from app.ui.server_panel import ServerPanel
     from app.ui.train_dialog import TrainDrafterDialog
+
+
+SIDEBAR_MIN_WIDTH = 170
 
 
 class ErrorBanner(QFrame):
@@ -125,7 +129,7 @@ class MainWindow(QMainWindow):
         self.import_dialog: ImportProgressDialog | None = None  # made with the models controller
         self.train_dialog: TrainDrafterDialog | None = None  # made on first use
 
-        self.title_label = QLabel("New chat")
+        self.title_label = ElidedLabel("New chat")  # a long title never widens the window
         self.title_label.setObjectName("chatTitle")
         self.compare_button = QPushButton("Speculative vs plain")
         self.compare_button.setCheckable(True)
@@ -168,6 +172,10 @@ class MainWindow(QMainWindow):
         self.splitter.addWidget(center)
         self.splitter.addWidget(self.side_panel)
         self.splitter.setStretchFactor(1, 1)
+        # A narrower window takes its width from the chat column: the chat list keeps room
+        # for a readable title (it shrank to "Write a P…"); View ▸ Show Chats hides it.
+        self.sidebar.setMinimumWidth(SIDEBAR_MIN_WIDTH)
+        self.splitter.setCollapsible(0, False)
         self.splitter.setSizes([220, 740, 320])
         self.setCentralWidget(self.splitter)
 

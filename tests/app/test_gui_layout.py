@@ -64,3 +64,39 @@ def test_code_wider_than_the_card_wraps_in_both_views(qtbot, make_gui, tiny_pair
     assert code and all(is_mono(f) and kind_of(f) is not None for _, f in code)
     text = [f for t, f, _ in fragments(reply.document()) if t.strip() in ("Sure:", "prints")]
     assert text and not any(is_mono(f) for f in text)
+
+
+def test_a_narrow_window_shrinks_the_chat_column_not_the_list(qtbot, make_gui, tiny_pair,
+                                                             screenshots_dir) -> None:
+    from app.ui.composer import PLACEHOLDER
+    from app.ui.main_window import SIDEBAR_MIN_WIDTH
+
+    gui = make_gui(plain_settings(tiny_pair[0]))
+    window = gui.window
+    cid = seed_code_chat(gui)
+    title = "Write a Python function that walks a directory tree and prints every file"
+    gui.controller.rename_conversation(cid, title)
+    edit = window.composer.edit
+    legend = window.chat_view.legend.label
+    line = legend.fontMetrics().lineSpacing()
+
+    def placeholder_fits() -> bool:
+        room = edit.viewport().width() - 2 * edit.document().documentMargin()
+        return edit.fontMetrics().horizontalAdvance(edit.placeholderText()) <= room
+
+    window.resize(1280, 800)
+    qtbot.waitUntil(lambda: window.width() == 1280 and legend.isVisible())
+    assert edit.placeholderText() == PLACEHOLDER and placeholder_fits()
+    assert legend.height() < 2 * line  # every chip on one line beside the check boxes
+    wide_column = window.chat_view.width()
+
+    window.resize(700, 500)
+    qtbot.waitUntil(lambda: window.width() < 1000 and window.chat_view.width() < wide_column)
+    qtbot.waitUntil(lambda: legend.height() < 3 * line, timeout=5_000)
+    window.grab().save(str(screenshots_dir / "narrow_window.png"))
+    assert window.width() <= 800  # a long title does not hold the window wide
+    assert window.sidebar.width() >= SIDEBAR_MIN_WIDTH
+    assert window.title_label.toolTip() == title  # cut short on screen, whole on hover
+    assert placeholder_fits() and edit.placeholderText().startswith("Ask anything")
+    # the legend wraps a few chips per line on a row of its own (it stacked one per line)
+    assert legend.width() > 3 * window.chat_view.legend.one_line_width() // 5
