@@ -10,6 +10,7 @@ keychain or the network.
 
 from __future__ import annotations
 
+import html
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMainWindow,
+    QMessageBox,
     QProgressBar,
     QPushButton,
     QScrollArea,
@@ -301,6 +303,9 @@ class MainWindow(QMainWindow):
         chat_menu.addAction(self.train_action)
         help_menu = bar.addMenu("&Help")
         help_menu.addAction(self._action("Diagnostics…", self.show_diagnostics))
+        self.about_action = self._action("About Understudy", self.show_about)
+        self.about_action.setMenuRole(QAction.MenuRole.AboutRole)  # the app menu on macOS
+        help_menu.addAction(self.about_action)
 
     # -- intents -------------------------------------------------------------------------
     @property
@@ -316,6 +321,26 @@ class MainWindow(QMainWindow):
         self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
 
     diagnostics_dialog = None  # Help ▸ Diagnostics…, made on first use
+    about_box: QMessageBox | None = None  # Help ▸ About Understudy, made on first use
+
+    def show_about(self) -> QMessageBox:
+        """Help ▸ About Understudy: the version, the model loaded and MLX's version."""
+        from app.about import SUMMARY, about_details
+        from app.ui.app_icon import app_icon
+
+        if self.about_box is None:
+            self.about_box = QMessageBox(self)
+            self.about_box.setWindowTitle("About Understudy")
+            self.about_box.setIconPixmap(app_icon().pixmap(64, 64))
+            self.about_box.setTextFormat(Qt.TextFormat.RichText)
+            self.about_box.setStandardButtons(QMessageBox.StandardButton.Ok)
+        model = self.controller.model
+        lines = about_details(model.name if model is not None else None)
+        self.about_box.setText(f"<b>Understudy</b><br>{lines[0]}")
+        self.about_box.setInformativeText(  # rich text, as the box's format is
+            "<br>".join(html.escape(line) for line in (SUMMARY, "", *lines[1:])))
+        self.about_box.open()  # not modal to the app: a reply may be streaming
+        return self.about_box
 
     def show_diagnostics(self) -> None:
         """Help ▸ Diagnostics…: `understudy doctor`'s report (kernels, backend, BLAS)."""

@@ -100,3 +100,31 @@ def test_a_narrow_window_shrinks_the_chat_column_not_the_list(qtbot, make_gui, t
     assert placeholder_fits() and edit.placeholderText().startswith("Ask anything")
     # the legend wraps a few chips per line on a row of its own (it stacked one per line)
     assert legend.width() > 3 * window.chat_view.legend.one_line_width() // 5
+
+
+def test_help_about_shows_the_version_model_and_mlx(qtbot, make_gui, tiny_pair,
+                                                    screenshots_dir) -> None:
+    import tomllib
+    from pathlib import Path
+
+    import mlx.core as mx
+    from PySide6.QtGui import QAction, QTextDocumentFragment
+
+    pyproject = Path(__file__).resolve().parents[2] / "pyproject.toml"
+    version = tomllib.loads(pyproject.read_text())["project"]["version"]
+    gui = make_gui(plain_settings(tiny_pair[0]))
+    window = gui.window
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=60_000)
+    help_menu = next(a.menu() for a in window.menuBar().actions() if a.text() == "&Help")
+    assert window.about_action in help_menu.actions()
+    assert window.about_action.text() == "About Understudy"
+    assert window.about_action.menuRole() == QAction.MenuRole.AboutRole
+    window.about_action.trigger()
+    box = window.about_box
+    qtbot.waitUntil(box.isVisible)
+    assert f"Version {version}" in box.text()
+    details = QTextDocumentFragment.fromHtml(box.informativeText()).toPlainText()
+    assert f"Model: {gui.controller.model.name}" in details
+    assert f"MLX {mx.__version__}" in details.splitlines() and "speculative decoding" in details
+    box.grab().save(str(screenshots_dir / "about.png"))
+    box.accept()
