@@ -242,9 +242,10 @@ class Legend(QWidget):
         self.label = QLabel()
         self.label.setTextFormat(Qt.TextFormat.RichText)
         # Narrow windows wrap the legend between chips (a clipped chip reads as a
-        # different word) rather than forcing the whole window wider.
+        # different word) rather than forcing the whole window wider; squeezed beside the
+        # check boxes it moves to a row of its own (`ChatView._place_legend`), so it asks
+        # no width of that row.
         self.label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.label.setMinimumWidth(60)
         self.label.setWordWrap(True)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
