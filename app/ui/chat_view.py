@@ -10,12 +10,14 @@ to one refresh per event-loop turn, so a burst of steps costs one layout.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import ceil
 
 from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QGuiApplication, QTextCursor, QTextDocument
+from PySide6.QtGui import QGuiApplication, QResizeEvent, QTextCursor, QTextDocument, QTextOption
 from PySide6.QtWidgets import (
     QCheckBox,
     QFrame,
+    QGridLayout,
     QHBoxLayout,
     QLabel,
     QMessageBox,
@@ -38,8 +40,8 @@ from app.ui.token_render import (
     footer_text,
     kind_css,
     markdown_html,
-    plain_html,
     tokens_html,
+    user_message_html,
     wrap_pre,
 )
 from engine.events import Stats, Step
@@ -67,6 +69,9 @@ class TokenBrowser(QTextBrowser):
         self.anchorClicked.connect(self._on_anchor_clicked)
         self._fit = fit_height
         if fit_height:
+            # No scroll bars: the text wraps at the width (code lines too, and a string
+            # with no break, such as a long URL, anywhere) and the box is as tall as it.
+            self.setWordWrapMode(QTextOption.WrapMode.WrapAtWordBoundaryOrAnywhere)
             self.setVerticalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
             self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
             self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
@@ -204,8 +209,9 @@ class MessageCard(QFrame):
         dark = widget_is_dark(self.view)  # the view follows the app palette immediately
         m = self.message
         if m.role != "assistant":
-            self.browser.code_blocks = []
-            self.browser.setHtml(plain_html(m.content))
+            rendered = user_message_html(m.content, dark)  # pasted code shows as code
+            self.browser.code_blocks = rendered.code_blocks
+            self.browser.setHtml(rendered.html)
         else:
             self.browser.show_reply(self.steps, self.text(), speculation=self.view.show_speculation,
                                     show_rejected=self.view.show_rejected, dark=dark)
@@ -243,9 +249,10 @@ class Legend(QWidget):
         self.label = QLabel()
         self.label.setTextFormat(Qt.TextFormat.RichText)
         # Narrow windows wrap the legend between chips (a clipped chip reads as a
-        # different word) rather than forcing the whole window wider.
+        # different word) rather than forcing the whole window wider; squeezed beside the
+        # check boxes it moves to a row of its own (`ChatView._place_legend`), so it asks
+        # no width of that row.
         self.label.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
-        self.label.setMinimumWidth(60)
         self.label.setWordWrap(True)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
@@ -262,6 +269,14 @@ class Legend(QWidget):
         self.label.setText("&nbsp; ".join(chips))  # the plain space is where a line may break
         self.label.setToolTip("\n".join(
             f"{KIND_STYLES[k].label}: {KIND_STYLES[k].meaning}" for k in LEGEND_ORDER))
+
+    def one_line_width(self) -> int:
+        """The width every chip needs to stand on one line."""
+        doc = QTextDocument()
+        doc.setDocumentMargin(0)
+        doc.setDefaultFont(self.label.font())
+        doc.setHtml(self.label.text())
+        return ceil(doc.idealWidth()) + 2
 
 
 class ChatView(QWidget):
@@ -285,11 +300,13 @@ class ChatView(QWidget):
         self.rejected_box = QCheckBox("Rejected guesses")
         self.rejected_box.setChecked(True)
         self.rejected_box.setToolTip("Show discarded draft tokens as struck-through ghosts")
-        bar = QHBoxLayout()
-        bar.setContentsMargins(12, 6, 12, 2)
-        bar.addWidget(self.legend, 1)
-        bar.addWidget(self.rejected_box)
-        bar.addWidget(self.speculation_box)
+        self.bar = QGridLayout()
+        self.bar.setContentsMargins(12, 6, 12, 2)
+        self.bar.setVerticalSpacing(2)
+        self.bar.setColumnStretch(0, 1)
+        self.bar.addWidget(self.rejected_box, 0, 1)
+        self.bar.addWidget(self.speculation_box, 0, 2)
+        self.legend_row = -1  # the bar row the legend is in (placed at the first resize)
 
         self.column = QWidget()
         self.column.setObjectName("chatColumn")
@@ -318,8 +335,9 @@ class ChatView(QWidget):
         layout = QVBoxLayout(self)
         layout.setContentsMargins(0, 0, 0, 0)
         layout.setSpacing(0)
-        layout.addLayout(bar)
+        layout.addLayout(self.bar)
         layout.addWidget(self.scroll, 1)
+        self._place_legend()
 
         self._render_timer = QTimer(self)
         self._render_timer.setSingleShot(True)
@@ -359,6 +377,27 @@ class ChatView(QWidget):
         self.legend.refresh()
         for card in self.cards:
             card.render()
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        self._place_legend()
+
+    def _place_legend(self) -> None:
+        """The legend beside the check boxes when all its chips fit there on one line, else
+        on a row of its own below them, where it wraps a few chips per line (squeezed
+        beside them it stacked one chip per line)."""
+        margins = self.bar.contentsMargins()
+        beside = (self.legend.one_line_width() + self.rejected_box.sizeHint().width()
+                  + self.speculation_box.sizeHint().width() + 2 * self.bar.horizontalSpacing()
+                  + margins.left() + margins.right())
+        row = 0 if self.width() >= beside else 1
+        if row != self.legend_row:
+            self.bar.removeWidget(self.legend)
+            if row == 0:
+                self.bar.addWidget(self.legend, 0, 0)
+            else:
+                self.bar.addWidget(self.legend, 1, 0, 1, 3)
+            self.legend_row = row
 
     def changeEvent(self, event: QEvent) -> None:  # noqa: N802 - Qt override
         if event.type() == QEvent.Type.PaletteChange:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import html
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeyEvent
+from PySide6.QtGui import QKeyEvent, QResizeEvent
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -26,6 +26,8 @@ from PySide6.QtWidgets import (
 from app.ui.controller import ChatController
 
 MAX_LINES = 8
+PLACEHOLDER = "Ask anything…  (Enter sends, Shift+Enter for a new line)"
+SHORT_PLACEHOLDER = "Ask anything…"  # where the keys' hint would wrap and be cut in half
 
 
 class ComposerEdit(QPlainTextEdit):
@@ -36,7 +38,7 @@ class ComposerEdit(QPlainTextEdit):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setTabChangesFocus(True)
-        self.setPlaceholderText("Ask anything…  (Enter sends, Shift+Enter for a new line)")
+        self.setPlaceholderText(PLACEHOLDER)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         self.document().documentLayout().documentSizeChanged.connect(self._fit_height)
         self._fit_height()
@@ -52,6 +54,17 @@ class ComposerEdit(QPlainTextEdit):
             self.insertPlainText("\n")
             return
         super().keyPressEvent(event)
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        self._fit_placeholder()
+
+    def _fit_placeholder(self) -> None:
+        """The full hint where it fits on the box's one line, else the short one (the box
+        is one line tall while empty, so a wrapped hint showed half its second line)."""
+        room = self.viewport().width() - 2 * self.document().documentMargin()
+        fits = self.fontMetrics().horizontalAdvance(PLACEHOLDER) <= room
+        self.setPlaceholderText(PLACEHOLDER if fits else SHORT_PLACEHOLDER)
 
     def _fit_height(self, *_: object) -> None:
         line = self.fontMetrics().lineSpacing()

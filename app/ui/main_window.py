@@ -10,6 +10,7 @@ keychain or the network.
 
 from __future__ import annotations
 
+import html
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMainWindow,
+    QMessageBox,
     QProgressBar,
     QPushButton,
     QScrollArea,
@@ -39,6 +41,7 @@ from app.ui.chat_view import ChatView
 from app.ui.comparison import ComparisonView
 from app.ui.composer import Composer
 from app.ui.controller import ChatController
+from app.ui.elided_label import ElidedLabel
 from app.ui.gauge import GaugeWidget
 from app.ui.settings_panel import SettingsPanel
 from app.ui.sidebar import Sidebar
@@ -55,6 +58,9 @@ if TYPE_CHECKING:
     from app.ui.preferences import PreferencesDialog
     from app.ui.server_panel import ServerPanel
     from app.ui.train_dialog import TrainDrafterDialog
+
+
+SIDEBAR_MIN_WIDTH = 160  # readable titles, and the window still fits 760 px with the side panel
 
 
 class ErrorBanner(QFrame):
@@ -130,7 +136,7 @@ class MainWindow(QMainWindow):
         self.import_dialog: ImportProgressDialog | None = None  # made with the models controller
         self.train_dialog: TrainDrafterDialog | None = None  # made on first use
 
-        self.title_label = QLabel("New chat")
+        self.title_label = ElidedLabel("New chat")  # a long title never widens the window
         self.title_label.setObjectName("chatTitle")
         self.compare_button = QPushButton("Speculative vs plain")
         self.compare_button.setCheckable(True)
@@ -173,6 +179,10 @@ class MainWindow(QMainWindow):
         self.splitter.addWidget(center)
         self.splitter.addWidget(self.side_panel)
         self.splitter.setStretchFactor(1, 1)
+        # A narrower window takes its width from the chat column: the chat list keeps room
+        # for a readable title (it shrank to "Write a P…"); View ▸ Show Chats hides it.
+        self.sidebar.setMinimumWidth(SIDEBAR_MIN_WIDTH)
+        self.splitter.setCollapsible(0, False)
         self.splitter.setSizes([220, 740, 320])
         self.setCentralWidget(self.splitter)
 
@@ -299,6 +309,9 @@ class MainWindow(QMainWindow):
         chat_menu.addAction(self.train_action)
         help_menu = bar.addMenu("&Help")
         help_menu.addAction(self._action("Diagnostics…", self.show_diagnostics))
+        self.about_action = self._action("About Understudy", self.show_about)
+        self.about_action.setMenuRole(QAction.MenuRole.AboutRole)  # the app menu on macOS
+        help_menu.addAction(self.about_action)
 
     # -- intents -------------------------------------------------------------------------
     @property
@@ -324,6 +337,26 @@ class MainWindow(QMainWindow):
         self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
 
     diagnostics_dialog = None  # Help ▸ Diagnostics…, made on first use
+    about_box: QMessageBox | None = None  # Help ▸ About Understudy, made on first use
+
+    def show_about(self) -> QMessageBox:
+        """Help ▸ About Understudy: the version, the model loaded and MLX's version."""
+        from app.about import SUMMARY, about_details
+        from app.ui.app_icon import app_icon
+
+        if self.about_box is None:
+            self.about_box = QMessageBox(self)
+            self.about_box.setWindowTitle("About Understudy")
+            self.about_box.setIconPixmap(app_icon().pixmap(64, 64))
+            self.about_box.setTextFormat(Qt.TextFormat.RichText)
+            self.about_box.setStandardButtons(QMessageBox.StandardButton.Ok)
+        model = self.controller.model
+        lines = about_details(model.name if model is not None else None)
+        self.about_box.setText(f"<b>Understudy</b><br>{lines[0]}")
+        self.about_box.setInformativeText(  # rich text, as the box's format is
+            "<br>".join(html.escape(line) for line in (SUMMARY, "", *lines[1:])))
+        self.about_box.open()  # not modal to the app: a reply may be streaming
+        return self.about_box
 
     def show_diagnostics(self) -> None:
         """Help ▸ Diagnostics…: `understudy doctor`'s report (kernels, backend, BLAS)."""

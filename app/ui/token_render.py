@@ -6,12 +6,17 @@ Two renderings of the same reply:
   replaced amber, bonus blue, rejected drafts as struck-through red ghosts where the engine
   placed them: right after the committed token their branch hangs from), each with a
   tooltip naming its kind, the target's probability and a ghost's branch; a thin bar parts
-  two neighbouring ghosts of different branches. A step that fell back to a plain step
+  two neighbouring ghosts of different branches. Tokens inside a fenced code block keep
+  their colours in a monospace font. A step that fell back to a plain step
   (`Step.error`) is underlined in amber with the reason in its tooltip; the first step of a
   reply with each reason also gets a warning marker (a drafter that keeps failing would
   otherwise litter the reply with them);
 * clean: the committed text as Markdown (markdown-it-py, CommonMark + tables), code blocks
   highlighted by pygments with a copy link, as a coding assistant's reply is expected to look.
+
+A user's message is shown as typed, except that its fenced code is a code block like a
+reply's. Code lines wrap at the card's width (QTextBrowser has no per-block scrolling, and a
+card is exactly as tall as its text), keeping their indentation.
 
 The HTML stays inside the subset QTextDocument understands (inline styles, tables, pre).
 """
@@ -118,12 +123,14 @@ def shown_text(token: Token) -> str:
     return token.text
 
 
-def token_span(token: Token, dark: bool = False, warning: str = "") -> str:
-    """One token as a styled span with its tooltip."""
+def token_span(token: Token, dark: bool = False, warning: str = "", code: bool = False) -> str:
+    """One token as a styled span with its tooltip (`code`: in a monospace font)."""
     text = shown_text(token)
     if not text:
         return ""
     css = kind_css(token.kind, dark)
+    if code:
+        css = f"{css};font-family:{MONO}" if css else f"font-family:{MONO}"
     if warning:  # a fallback step is a plain step: no other decoration to clash with
         underline = f"text-decoration:underline;text-decoration-color:{WARNING_COLORS[dark]}"
         css = f"{css};{underline}" if css else underline
@@ -143,11 +150,51 @@ def ghost_separator(dark: bool = False) -> str:
     return f'<span style="color:{"#6e7681" if dark else "#a0a7b0"}">\N{LIGHT VERTICAL BAR}</span>'
 
 
+def _is_fence(line: str) -> bool:
+    """Whether a line opens or closes a fenced code block (CommonMark: up to three spaces,
+    then three backticks or tildes)."""
+    stripped = line.lstrip(" ")
+    return len(line) - len(stripped) <= 3 and stripped.startswith(("```", "~~~"))
+
+
+class FenceTracker:
+    """Follows the committed text token by token and says which tokens are code: those
+    inside a fenced block, and the fence lines themselves.
+
+    Tokens do not respect lines, so a token is code when the text is in code just before
+    or just after it; token boundaries at a line break (the usual case) keep the words
+    around a block in the text font.
+    """
+
+    def __init__(self) -> None:
+        self.fence = ""  # the open fence's marker ("```" or "~~~"), "" outside a block
+        self.line = ""  # the text of the line being written
+
+    def in_code(self) -> bool:
+        return bool(self.fence) or _is_fence(self.line)
+
+    def feed(self, text: str) -> bool:
+        """Add committed text; True if it belongs to code."""
+        before = self.in_code()
+        *ended, current = (self.line + text).split("\n")
+        self.line = current[:80]  # a fence shows in a line's start; a long line costs nothing
+        for line in ended:
+            if not _is_fence(line):
+                continue
+            marker = line.strip()[:3]
+            if not self.fence:
+                self.fence = marker
+            elif marker == self.fence and line.strip().strip(marker[0]) == "":
+                self.fence = ""  # a closing fence: only the marker's characters
+        return before or self.in_code()
+
+
 def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool = False) -> str:
     """A reply with every token styled by its fate, in the steps' display order (inner
     HTML for a pre-wrap block); `show_rejected` off drops the ghosts."""
     out: list[str] = []
     marked: set[str] = set()  # one marker per reason; later steps are only underlined
+    fences = FenceTracker()
     for step in steps:
         if step.error and step.error not in marked:
             marked.add(step.error)
@@ -160,7 +207,10 @@ def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool
                 if (previous is not None and previous.kind is TokenKind.REJECTED
                         and previous.branch != token.branch):
                     out.append(ghost_separator(dark))
-            out.append(token_span(token, dark, step.error))
+                code = fences.in_code()  # a ghost is not part of the text
+            else:
+                code = fences.feed(token.text)
+            out.append(token_span(token, dark, step.error, code))
             previous = token
     return "".join(out)
 
@@ -212,8 +262,13 @@ def code_block_html(code: str, lang: str, index: int, dark: bool) -> str:
         f'style="background-color:{bg}; border:1px solid {border}; margin-top:4px; margin-bottom:4px">'
         f'<tr><td><span style="color:{muted}; font-size:small">{label}</span>'
         f'&nbsp;&nbsp;<a href="{COPY_SCHEME}:{index}" style="font-size:small">Copy</a>'
-        f'<pre style="font-family:{MONO}; margin:0">{body}</pre></td></tr></table>'
+        f'<pre style="font-family:{MONO}; margin:0; white-space:pre-wrap">{body}</pre>'
+        "</td></tr></table>"
     )
+
+
+def _fence_lang(info: str) -> str:
+    return info.strip().split()[0] if info.strip() else ""
 
 
 def _markdown_parser(dark: bool, blocks: list[str]) -> MarkdownIt:
@@ -223,9 +278,8 @@ def _markdown_parser(dark: bool, blocks: list[str]) -> MarkdownIt:
 
     def fence(self, tokens, idx, options, env) -> str:
         tok = tokens[idx]
-        lang = tok.info.strip().split()[0] if tok.info.strip() else ""
         blocks.append(tok.content)
-        return code_block_html(tok.content, lang, len(blocks) - 1, dark)
+        return code_block_html(tok.content, _fence_lang(tok.info), len(blocks) - 1, dark)
 
     def code_inline(self, tokens, idx, options, env) -> str:
         return (f'<code style="font-family:{MONO}; background-color:{inline_bg}">'
@@ -242,6 +296,31 @@ def markdown_html(text: str, dark: bool = False) -> RenderedMarkdown:
     blocks: list[str] = []
     body = _markdown_parser(dark, blocks).render(text)
     return RenderedMarkdown(body, blocks)
+
+
+def user_message_html(text: str, dark: bool = False) -> RenderedMarkdown:
+    """A user's message as typed (no Markdown: their asterisks and line breaks are theirs),
+    except that fenced code shows as a code block with a copy link, like a reply's."""
+    lines = text.split("\n")
+    parts: list[str] = []
+    blocks: list[str] = []
+    at = 0
+
+    def typed(upto: int) -> None:
+        chunk = "\n".join(lines[at:upto]).strip("\n")
+        if chunk:
+            parts.append(plain_html(chunk))
+
+    fences = [t for t in MarkdownIt("commonmark").parse(text)
+              if t.type == "fence" and t.level == 0 and t.map]  # not in a list or quote
+    for tok in fences:
+        start, end = tok.map
+        typed(start)
+        blocks.append(tok.content)
+        parts.append(code_block_html(tok.content, _fence_lang(tok.info), len(blocks) - 1, dark))
+        at = end
+    typed(len(lines))
+    return RenderedMarkdown("".join(parts), blocks)
 
 
 # -- numbers -------------------------------------------------------------------------------

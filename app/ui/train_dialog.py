@@ -10,6 +10,7 @@ checkpoint, and starting again resumes from it.
 from __future__ import annotations
 
 from PySide6.QtCore import Qt
+from PySide6.QtGui import QResizeEvent, QShowEvent
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
     QFormLayout,
@@ -70,13 +71,29 @@ class TrainDrafterDialog(QWidget):
         self.refresh()
 
     def _say(self, text: str) -> None:
-        """Show a status line, growing the window's height when the wrapped text needs it
-        (a shown window keeps its size, and a longer message was clipped)."""
         self.status.setText(text)
+        self._fit_height()
+
+    def _fit_height(self) -> None:
+        """Keep the window at least as tall as its wrapped text needs at its width.
+
+        A top-level window does not follow its layout's height-for-width: it keeps the
+        height it has (or its size hint's, taken before the intro is filled in), and the
+        intro or a long status line was clipped. The minimum height grows the window and
+        stops the user shrinking it past the text. Only a shown window has its real width.
+        """
         layout = self.layout()
-        needed = layout.totalHeightForWidth(self.width()) if layout.hasHeightForWidth() else -1
-        if needed > self.height():
-            self.resize(self.width(), needed)
+        if not self.isVisible() or layout is None or not layout.hasHeightForWidth():
+            return
+        self.setMinimumHeight(layout.totalHeightForWidth(self.width()))
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 - Qt override
+        super().showEvent(event)
+        self._fit_height()
+
+    def resizeEvent(self, event: QResizeEvent) -> None:  # noqa: N802 - Qt override
+        super().resizeEvent(event)
+        self._fit_height()  # narrower: the text wraps onto more lines
 
     @property
     def running(self) -> bool:
@@ -89,6 +106,7 @@ class TrainDrafterDialog(QWidget):
             f"Teach a small drafter head to guess {name}'s next "
             "tokens from its own replies. It runs in the background and pauses while a reply "
             "is written; stop any time and start again to continue.")
+        self._fit_height()
 
     def start(self) -> None:
         self.controller.host.train_drafter(self.controller.settings.target,

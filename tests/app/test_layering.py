@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 QT_FREE_PACKAGES = ("engine", "kernels", "app.hub", "app.cli", "app.server")
-QT_FREE_MODULES = ("app.store", "app.store_repair")
+QT_FREE_MODULES = ("app.store", "app.store_repair", "app.about")
 
 _BLOCK_QT = """
 import importlib.abc, sys

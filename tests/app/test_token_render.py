@@ -13,6 +13,7 @@ from app.ui.token_render import (
     markdown_html,
     token_tooltip,
     tokens_html,
+    user_message_html,
     wrap_pre,
 )
 from engine.events import Stats, Step, Token, TokenKind
@@ -96,6 +97,65 @@ def test_markdown_open_fence_while_streaming(qapp) -> None:
     rendered = markdown_html("Start:\n```py\nprint(1")
     assert rendered.code_blocks == ["print(1"]
     assert "print" in doc_of(rendered.html).toPlainText()
+
+
+def is_mono(fmt) -> bool:
+    return any("Mono" in f or f == "monospace" for f in fmt.fontFamilies() or [])
+
+
+LONG_LINE = "    print(os.path.join(dirpath, name), 'a long string that goes on past the edge')"
+
+
+def test_a_long_code_line_wraps_at_the_width_keeping_its_indentation(qapp) -> None:
+    """QTextBrowser cannot scroll one block sideways, and a card is as tall as its text:
+    a code line wider than the card wraps instead of being cut off at its edge."""
+    rendered = markdown_html(f"```python\ndef f():\n{LONG_LINE}\n```")
+    doc = doc_of(rendered.html)
+    doc.setTextWidth(260)
+    assert doc.size().width() <= 260
+    assert f"def f():\n{LONG_LINE}" in doc.toPlainText()  # the spaces are the code's
+    assert rendered.code_blocks == [f"def f():\n{LONG_LINE}\n"]
+
+
+def code_steps(text: str) -> tuple[Step, ...]:
+    """One token per line break or run of non-breaks, as a tokenizer splits them."""
+    import re
+
+    return tuple(Step((Token(i, piece, TokenKind.ACCEPTED, 0.9),))
+                 for i, piece in enumerate(re.findall(r"\n|[^\n]+", text)))
+
+
+def test_speculation_shows_fenced_code_in_monospace_keeping_colours(qapp) -> None:
+    text = "Here:\n```python\nx = 1\n```\nDone.\n~~~\n```\ny\n~~~\nEnd"
+    ghost = Step((Token(90, "z", TokenKind.REJECTED, 0.1),))
+    steps = code_steps(text)
+    steps = steps[:5] + (ghost,) + steps[5:]  # a ghost inside the block, after "x = 1"
+    doc = doc_of(wrap_pre(tokens_html(steps)))
+    assert doc.toPlainText().replace("z", "") == text
+    fmts = formats_by_text(doc)
+    assert not is_mono(fmts["Here:"]) and not is_mono(fmts["Done."]) and not is_mono(fmts["End"])
+    for code in ("```python", "x = 1", "z", "```", "y", "~~~"):
+        found = [f for t, f in fmts.items() if t.startswith(code)]
+        assert found and is_mono(found[0]), code
+    assert fmts["x = 1"].background().color().name() == KIND_STYLES[TokenKind.ACCEPTED].light_bg
+    assert fmts["z"].fontStrikeOut()
+
+
+def test_a_users_fenced_code_is_a_code_block_and_the_rest_stays_as_typed(qapp) -> None:
+    text = f"Here is *my* code:\n```python\nimport os\n{LONG_LINE}\n```\nAdd type hints.\n  Thanks"
+    rendered = user_message_html(text)
+    assert rendered.code_blocks == [f"import os\n{LONG_LINE}\n"]
+    assert 'href="copy-code:0"' in rendered.html
+    doc = doc_of(rendered.html)
+    plain = doc.toPlainText()
+    assert "```" not in plain and "Here is *my* code:" in plain  # no Markdown outside code
+    assert "Add type hints.\n  Thanks" in plain
+    fmts = formats_by_text(doc)
+    assert is_mono(fmts["import"]) and not is_mono(fmts["Here is *my* code:"])
+    doc.setTextWidth(260)
+    assert doc.size().width() <= 260
+    assert user_message_html("No code, just *text*").code_blocks == []
+    assert doc_of(user_message_html("a\n\nb").html).toPlainText() == "a\n\nb"
 
 
 def test_footer_text() -> None:

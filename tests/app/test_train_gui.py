@@ -105,3 +105,31 @@ def test_a_job_that_only_made_data_says_no_drafter_yet(qtbot, make_gui, target: 
     worker.training_ended.emit(saved, "")
     qtbot.waitUntil(lambda: dialog.status.text().startswith("Saved after 5 steps"),
                     timeout=10_000)
+
+
+def test_the_window_opens_tall_enough_for_its_text(qtbot, make_gui, target: Path,
+                                                   screenshots_dir: Path) -> None:
+    """The intro (filled in just before the window shows) must not be clipped, on first
+    open, after a longer status line, or when the window is made narrower."""
+    gui = make_gui(ChatSettings(target=str(target), drafter="auto", max_tokens=16))
+    gui.window.show_train_drafter()
+    dialog = gui.window.train_dialog
+    qtbot.waitExposed(dialog)
+
+    def fits() -> bool:
+        layout = dialog.layout()
+        return (dialog.intro.height() >= dialog.intro.heightForWidth(dialog.intro.width())
+                and dialog.status.height() >= dialog.status.heightForWidth(dialog.status.width())
+                and dialog.height() >= layout.totalHeightForWidth(dialog.width()))
+
+    assert dialog.intro.text().startswith("Teach a small drafter head")
+    assert fits()
+    dialog.grab().save(str(screenshots_dir / "train_drafter_opened.png"))
+    gui.host.worker.training_ended.emit(None, "the practice replies could not be written "
+                                        "because the disk is full; free some space and "
+                                        "start again to continue where it left off")
+    qtbot.waitUntil(lambda: dialog.status.text().startswith("Stopped:"), timeout=10_000)
+    qtbot.waitUntil(fits, timeout=5_000)
+    dialog.resize(dialog.minimumWidth(), dialog.height())
+    qtbot.waitUntil(fits, timeout=5_000)
+    dialog.grab().save(str(screenshots_dir / "train_drafter_narrow.png"))
