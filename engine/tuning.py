@@ -46,6 +46,7 @@ PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
 COST_PROBES = True  # verify untested widths now and then (off only for a negative control)
 PROBE_SHARE = 0.05  # cost probes may take about this share of decode time
 PROBE_DRAFT_PASSES = 2.0  # a cost probe drafts at most this many target passes' worth
+USEFUL_REACH = 0.05  # ... and no deeper than its drafts are reached this often
 CONFIRM_TIMINGS = 2  # live timings of a width before probes take the table's word for it
 GUARD_MIN_STEPS = 32  # steps of a drafter before its realized speed can bench it
 GUARD_SLACK = 0.03  # ... once it loses to plain steps by more than this
@@ -321,6 +322,17 @@ def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
     return best
 
 
+def useful_depth(alpha: float) -> int:
+    """The deepest draft position a chain accepted at `alpha` per token still reaches
+    USEFUL_REACH of the time: a cost probe deeper than that times a width the drafter
+    would not use (a head at ~33% reaches depth 4 1% of the time, yet was probed at 16)."""
+    if alpha <= 0.0:
+        return 1
+    if alpha >= 1.0:
+        return K_MAX
+    return max(1, min(K_MAX, math.ceil(math.log(USEFUL_REACH) / math.log(alpha))))
+
+
 @dataclass
 class AcceptanceEstimate:
     """Discounted counts of accepted vs first-rejected drafts (a geometric model)."""
@@ -572,8 +584,8 @@ class DraftPolicy:
         wide passes so high that the policy never drafts, so they are never timed again.
         A probe is a normal draft-and-verify step (lossless); its pass times the width.
         Prompt lookup drafts what it matched (free to draft); other drafters double the
-        widest tested width, up to PROBE_DRAFT_PASSES target passes' worth of drafting.
-        Probes are spaced so they take about PROBE_SHARE of decode time, priced at what the
+        widest tested width, up to PROBE_DRAFT_PASSES target passes' worth of drafting and
+        no deeper than their acceptance reaches (`useful_depth`). Probes are spaced so they take about PROBE_SHARE of decode time, priced at what the
         last one cost beyond plain steps committing its tokens; the first may come at once.
         """
         costs = self.costs
@@ -590,15 +602,16 @@ class DraftPolicy:
             probe_k = limit
             if name != "ngram":
                 draft_s = costs.draft_s.get(name, 0.0)
+                alpha = self.estimates.get(key, AcceptanceEstimate(0.5)).alpha
                 cheap = (PROBE_DRAFT_PASSES * costs.verify(1) / draft_s if draft_s > 0
                          else K_MAX)
-                probe_k = min(limit, max(2, 2 * widest), max(1, int(cheap)))
+                probe_k = min(limit, max(2, 2 * widest), max(1, int(cheap)),
+                              useful_depth(alpha))
                 # a drafter that could not pay even with free verify passes, at its
                 # acceptance so far, needs no probe: knowing a wide pass is cheap would
                 # not make it draft (a head at ~10% at T = 0.8 lost 4% to such probes);
                 # idle probes, not these, find out when its acceptance comes back
                 flat = CostModel({1: costs.verify(1)}, overlap_s=costs.overlap_s)
-                alpha = self.estimates.get(key, AcceptanceEstimate(0.5)).alpha
                 if best_k(alpha, draft_s, flat, probe_k, True)[0] == 0:
                     continue
             if probe_k > k and not costs.confirmed(probe_k + 1):

@@ -33,6 +33,7 @@ from engine.tuning import (
     best_k,
     expected_tokens,
     row_budget,
+    useful_depth,
 )
 
 FLAT = CostModel({1: 0.010, 16: 0.010})  # a verify pass costs the same at any width
@@ -670,6 +671,33 @@ def test_a_drafter_failing_at_its_recent_acceptance_gets_no_cost_probes() -> Non
 
     assert probed(0.1) == 0
     assert probed(0.5) == 1  # negative control: the same stale table, a drafter that pays
+
+
+def test_cost_probes_stop_at_the_depth_a_drafter_reaches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head right a third of the time reaches its fourth draft 1% of the time: probing
+    widths past that times passes it will never run (the demo's head was probed at 16)."""
+    assert useful_depth(0.33) == 3 and useful_depth(0.8) == 14
+    assert useful_depth(0.0) == 1 and useful_depth(0.99) == K_MAX
+
+    def probed(alpha: float) -> list[int]:
+        memory = PolicyMemory()
+        memory.estimates["model"] = AcceptanceEstimate(alpha, weight=1e9)
+        policy = DraftPolicy("model", ("model",), CostModel(dict(STALE), {"model": 0.0005}),
+                             memory=memory)
+        ks = []
+        for _ in range(40 * PROBE_EVERY):
+            choice = policy.choose(FRESH)
+            width = choice.k + 1 if choice.drafter else 1
+            policy.update(choice, 1 if choice.drafter else 0, 0, true_cost(width), width)
+            if choice.probe:
+                ks.append(choice.k)
+        return ks
+
+    assert probed(0.33) and max(probed(0.33)) <= 3
+    # negative control: probing as deep as the drafter may draft
+    monkeypatch.setattr("engine.tuning.USEFUL_REACH", 1e-9)
+    assert max(probed(0.33)) > 3
 
 
 def test_without_probes_the_model_drafter_stays_locked_out(
