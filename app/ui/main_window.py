@@ -40,7 +40,7 @@ from app.ui.comparison import ComparisonView
 from app.ui.composer import Composer
 from app.ui.controller import ChatController
 from app.ui.gauge import GaugeWidget
-from app.ui.settings_panel import SettingsPanel
+from app.ui.settings_panel import SettingsPanel, model_name
 from app.ui.sidebar import Sidebar
 from app.ui.step_warnings import StepWarnings
 from app.ui.token_render import conversation_markdown
@@ -203,6 +203,7 @@ class MainWindow(QMainWindow):
         controller.model_loading.connect(self._on_model_loading)
         controller.model_loaded.connect(self._on_model_loaded)
         controller.model_load_progressed.connect(self._on_model_load_progressed)
+        controller.model_load_failed.connect(self._on_model_load_failed)
         controller.message_added.connect(self._on_message_added)
         controller.prompt_progressed.connect(self.gauge.show_prompt_progress)
         controller.step_received.connect(self._on_step_received)
@@ -534,6 +535,15 @@ class MainWindow(QMainWindow):
                 gauge.set_context_window(model.context_window)
         if info.template_warning:
             self.banner.show_message(info.template_warning)
+
+    def _on_model_load_failed(self, spec: str, _message: str) -> None:
+        """The banner says why; the status bar says the load ended, and what is in use."""
+        self.load_progress.hide()
+        model = self.controller.model
+        text = f"Could not load {model_name(spec)}"
+        if model is not None:
+            text += f" — still using {model.name} · {model.model_type} · {model.backend}"
+        self.model_label.setText(text)
 
     def _on_message_added(self, message: Message) -> None:
         if message.role == "assistant":

@@ -176,6 +176,7 @@ class SettingsPanel(QWidget):
         controller.settings_changed.connect(self._on_settings_changed)
         controller.model_loading.connect(self._on_model_loading)
         controller.model_loaded.connect(self._on_model_loaded)
+        controller.model_load_failed.connect(self._on_model_load_failed)
         controller.head_available.connect(self._on_head_available)
 
     # -- reading and writing ---------------------------------------------------------------
@@ -329,6 +330,11 @@ class SettingsPanel(QWidget):
     def _on_model_loading(self, spec: str) -> None:
         self.model_status.setText(f"Loading {spec}…")
 
+    def _on_model_load_failed(self, spec: str, _message: str) -> None:
+        model = self.controller.model
+        self.model_status.setText(f"Could not load {model_name(spec)}" + (
+            f"; still using {model.name}" if model is not None else ""))
+
     def _on_head_available(self, available: bool) -> None:
         """`head` is offered only for a target with a trained head; without one its entry is
         greyed out and says how to train one (a reply with it would only fail)."""
@@ -352,6 +358,11 @@ class SettingsPanel(QWidget):
             self._fill_drafts(self.controller.settings.draft)
         finally:
             self._updating = False
+
+
+def model_name(spec: str) -> str:
+    """A model spec as a label names it: a folder by its name, "demo" or a repo id as is."""
+    return Path(spec).name if spec.startswith(("/", "~", ".")) else spec
 
 
 def _double(lo: float, hi: float, step: float, decimals: int) -> QDoubleSpinBox:
