@@ -19,6 +19,7 @@ from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.bounded_exit import exit_now
+from app.hub.model_choices import DEMO_SPEC
 from app.logs import setup_logging
 from app.store import Store, StoreError
 from app.ui.app_icon import app_icon
@@ -31,11 +32,14 @@ from app.ui.worker import ChatSettings, EngineHost
 log = logging.getLogger("understudy")
 
 
-def run_gui(model_spec: str = "demo", *, smoke: bool = False) -> int:
-    """Open the main window on `model_spec` and run until it closes; returns the exit code.
+def run_gui(model_spec: str | None = None, *, smoke: bool = False) -> int:
+    """Open the main window and run until it closes; returns the exit code.
 
+    The window opens on `model_spec` when given (`understudy --model X`), else on the model
+    last used; one that no longer loads gives way to the demo model, with a banner saying so.
     With `smoke`, the window opens offscreen (unless QT_QPA_PLATFORM says otherwise) over a
-    scratch history and settings file, answers one message and quits: 0 when it worked.
+    scratch history and settings file, answers one message on `model_spec` (default: the
+    demo) and quits: 0 when it worked.
     """
     import qasync
 
@@ -70,11 +74,13 @@ def run_gui(model_spec: str = "demo", *, smoke: bool = False) -> int:
             from app.ui.smoke import SMOKE_MAX_TOKENS
 
             qs = QSettings(str(Path(scratch.name) / "settings.ini"), QSettings.Format.IniFormat)
-            settings = ChatSettings(target=model_spec, max_tokens=SMOKE_MAX_TOKENS)
+            settings = ChatSettings(target=model_spec or DEMO_SPEC, max_tokens=SMOKE_MAX_TOKENS)
         else:
             qs = settings_store()
             settings = load_chat_settings(qs, model_spec)
         controller = ChatController(store, host, settings)
+        if not smoke:
+            controller.fallback_target = DEMO_SPEC
         window = MainWindow(controller, qs)
         crash = CrashHandler(controller, log_path, window, show_dialog=not smoke)
         crash.install()

@@ -3,10 +3,16 @@ and the drafter list's `model` entry: real engine thread, store, widgets and set
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QFileDialog
 
 from app.store import COMPLETE
@@ -29,6 +35,84 @@ def choose_folder(monkeypatch, combo, folder: Path) -> None:
 
 def wait_idle(qtbot, gui) -> None:
     qtbot.waitUntil(lambda: not gui.controller.generating, timeout=TIMEOUT)
+
+
+# -- the model the app opens on --------------------------------------------------------------
+
+OPENING_APP = """
+import os, sys
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+app = QApplication([])
+from app.cli.main import main
+from app.ui.main_window import MainWindow
+
+def poll():
+    wins = [w for w in app.topLevelWidgets() if isinstance(w, MainWindow)]
+    if wins and wins[0].controller.model is not None:
+        w = wins[0]
+        if os.environ.get("SHOT"):
+            w.grab().save(os.environ["SHOT"])
+        print("OPENED", w.controller.model.spec, flush=True)
+        print("BANNER", w.banner.text.replace("\\n", " | "), flush=True)
+        w.close()
+        app.quit()
+        return
+    QTimer.singleShot(20, poll)
+
+QTimer.singleShot(0, poll)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def open_app(tmp_path: Path, *args: str, shot: Path | None = None) -> dict[str, str]:
+    """`understudy [args]` (the app) with its own config and data dirs, until a model has
+    loaded: what it opened on and the banner."""
+    script = tmp_path / "open_app.py"
+    script.write_text(OPENING_APP)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "UNDERSTUDY_DATA_DIR": str(tmp_path / "data"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "HOME": str(tmp_path),
+           "SHOT": str(shot or "")}
+    done = subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines()
+                 if line.startswith(("OPENED ", "BANNER ")))
+    return {"opened": lines["OPENED"], "banner": lines.get("BANNER", "")}
+
+
+def settings_file(tmp_path: Path) -> Path:
+    return tmp_path / "config" / "Understudy" / "Understudy.conf"
+
+
+def test_the_app_reopens_on_the_model_last_used(tiny_pair, tmp_path) -> None:
+    """The Target was forgotten on every start (`understudy` always asked for the demo).
+    Now `--model` wins for its run, a plain start reopens on the model last used, and one
+    that is gone gives way to the demo, with a banner naming it."""
+    model = tmp_path / "my-model"
+    shutil.copytree(tiny_pair[0], model)
+    assert open_app(tmp_path, "--model", str(model))["opened"] == str(model)
+    saved = QSettings(str(settings_file(tmp_path)), QSettings.Format.IniFormat)
+    assert json.loads(saved.value("chat/settings"))["target"] == str(model)
+
+    again = open_app(tmp_path)
+    assert again == {"opened": str(model), "banner": ""}
+
+    shutil.rmtree(model)
+    fallen_back = open_app(tmp_path)
+    assert fallen_back["opened"] == "demo"
+    assert fallen_back["banner"].startswith(f"Could not load model '{model}': ")
+    assert fallen_back["banner"].endswith("— opening 'demo' instead.")
+
+
+def test_model_before_a_command_is_refused_with_the_right_place(capsys) -> None:
+    from app.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "x", "generate", "hi"])
+    assert exit_.value.code == 2
+    assert "understudy generate --model x" in capsys.readouterr().err
 
 
 # -- a model that fails to load ----------------------------------------------------------------
