@@ -25,7 +25,8 @@ from app.store import Store, StoreError
 from app.ui.app_icon import app_icon
 from app.ui.controller import ChatController
 from app.ui.crash import CrashHandler
-from app.ui.main_window import MainWindow, load_chat_settings, settings_store
+from app.ui.main_window import MainWindow
+from app.ui.settings_file import read_settings, settings_store
 from app.ui.theme import apply_theme
 from app.ui.worker import ChatSettings, EngineHost
 
@@ -75,9 +76,10 @@ def run_gui(model_spec: str | None = None, *, smoke: bool = False) -> int:
 
             qs = QSettings(str(Path(scratch.name) / "settings.ini"), QSettings.Format.IniFormat)
             settings = ChatSettings(target=model_spec or DEMO_SPEC, max_tokens=SMOKE_MAX_TOKENS)
+            damage = None
         else:
             qs = settings_store()
-            settings = load_chat_settings(qs, model_spec)
+            settings, damage = read_settings(qs, model_spec)
         controller = ChatController(store, host, settings)
         if not smoke:
             controller.fallback_target = DEMO_SPEC
@@ -89,6 +91,10 @@ def run_gui(model_spec: str | None = None, *, smoke: bool = False) -> int:
 
             run = SmokeRun(controller, window)
         window.open_initial_conversation()
+        if damage is not None:  # below the history's notice, when it has one
+            shown = window.banner.text
+            window.banner.show_message(f"{shown}\n{damage.message()}" if shown
+                                       else damage.message())
         window.show()
         controller.load_model()
 

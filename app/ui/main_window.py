@@ -40,12 +40,16 @@ from app.ui.comparison import ComparisonView
 from app.ui.composer import Composer
 from app.ui.controller import ChatController
 from app.ui.gauge import GaugeWidget
+from app.ui.settings_file import load_chat_settings, settings_store
 from app.ui.settings_panel import SettingsPanel, model_name
 from app.ui.sidebar import Sidebar
 from app.ui.step_warnings import StepWarnings
 from app.ui.token_render import conversation_markdown
-from app.ui.worker import ChatSettings, ModelInfo
+from app.ui.worker import ModelInfo
 from engine.events import Stats, Step
+
+# load_chat_settings and settings_store live in app.ui.settings_file; still importable here
+__all__ = ["ErrorBanner", "MainWindow", "load_chat_settings", "settings_store"]
 
 if TYPE_CHECKING:
     from app.hub.library import LocalModel
@@ -84,23 +88,6 @@ class ErrorBanner(QFrame):
     @property
     def text(self) -> str:
         return self.label.text() if self.isVisible() else ""
-
-
-def settings_store() -> QSettings:
-    return QSettings("Understudy", "Understudy")
-
-
-def load_chat_settings(qs: QSettings, target: str | None = None) -> ChatSettings:
-    """The chat settings last used (JSON in QSettings), with `target` taking precedence."""
-    raw = qs.value("chat/settings", "")
-    try:
-        data = json.loads(raw) if raw else {}
-    except (TypeError, ValueError):
-        data = {}
-    settings = ChatSettings.from_dict(data if isinstance(data, dict) else {})
-    if target:
-        settings = ChatSettings.from_dict({**settings.as_dict(), "target": target})
-    return settings
 
 
 class MainWindow(QMainWindow):

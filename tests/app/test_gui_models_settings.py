@@ -4,6 +4,7 @@ and the drafter list's `model` entry: real engine thread, store, widgets and set
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -16,6 +17,7 @@ from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QFileDialog
 
 from app.store import COMPLETE
+from app.ui.settings_file import read_settings
 from app.ui.worker import ChatSettings
 
 TIMEOUT = 60_000
@@ -173,3 +175,61 @@ def test_a_model_that_fails_late_in_its_load_gives_way_to_the_one_before(
     gui.controller.send("Still there?")
     wait_idle(qtbot, gui)
     assert gui.store.messages(gui.controller.conversation_id)[-1].status == COMPLETE
+
+
+# -- damaged settings ----------------------------------------------------------------------------
+
+def test_a_settings_file_of_random_bytes_is_kept_aside_and_reported(tmp_path, caplog) -> None:
+    path = tmp_path / "Understudy.conf"
+    garbage = os.urandom(4000)
+    path.write_bytes(garbage)
+    qs = QSettings(str(path), QSettings.Format.IniFormat)
+    with caplog.at_level(logging.WARNING, logger="understudy"):
+        settings, damage = read_settings(qs)
+    assert settings == ChatSettings()
+    assert damage is not None and damage.kept is not None
+    assert damage.kept.name.startswith("Understudy.conf.damaged-")
+    assert damage.kept.read_bytes() == garbage
+    assert str(damage.kept) in damage.message()
+    assert damage.message().startswith("Your settings could not be read (")
+    assert str(path) in caplog.text and "could not be read" in caplog.text
+    assert qs.allKeys() == []  # what is written on quit is the app's own keys only
+
+
+def test_chat_settings_cut_short_are_kept_aside_and_reported(tmp_path, caplog) -> None:
+    """A `chat/settings` value cut short read as "nothing saved", without a word."""
+    path = tmp_path / "Understudy.conf"
+    whole = json.dumps(ChatSettings(target="demo", temperature=0.7).as_dict())
+    qs = QSettings(str(path), QSettings.Format.IniFormat)
+    qs.setValue("chat/settings", whole[: len(whole) // 2])
+    qs.setValue("view/comparison", True)
+    qs.sync()
+    before = path.read_bytes()
+    qs = QSettings(str(path), QSettings.Format.IniFormat)
+    with caplog.at_level(logging.WARNING, logger="understudy"):
+        settings, damage = read_settings(qs, "some-model")
+    assert settings == ChatSettings(target="some-model")
+    assert damage is not None and "cut short" in damage.reason
+    assert damage.kept is not None and damage.kept.read_bytes() == before
+    assert "could not be read" in caplog.text
+    assert qs.value("view/comparison") in (True, "true")  # the rest of the file still reads
+    # valid JSON with one bad value is no damage: that value alone falls back
+    qs.setValue("chat/settings", json.dumps({"temperature": "hot", "seed": 5}))
+    assert read_settings(qs) == (ChatSettings(seed=5), None)
+
+
+def test_the_app_says_when_its_settings_file_is_damaged(tiny_pair, tmp_path,
+                                                        screenshots_dir) -> None:
+    conf = settings_file(tmp_path)
+    conf.parent.mkdir(parents=True)
+    garbage = os.urandom(3000)
+    conf.write_bytes(garbage)
+    shot = screenshots_dir / "settings_damaged.png"
+    opened = open_app(tmp_path, "--model", str(tiny_pair[0]), shot=shot)
+    assert opened["opened"] == str(tiny_pair[0])
+    assert opened["banner"].startswith("Your settings could not be read (")
+    [kept] = conf.parent.glob("Understudy.conf.damaged-*")
+    assert kept.read_bytes() == garbage and str(kept) in opened["banner"]
+    saved = QSettings(str(conf), QSettings.Format.IniFormat)  # written whole on quit
+    assert json.loads(saved.value("chat/settings"))["target"] == str(tiny_pair[0])
+    assert read_settings(saved)[1] is None
