@@ -291,7 +291,13 @@ class ChatController(QObject):
         if self.settings.system_prompt.strip():
             out.append({"role": "system", "content": self.settings.system_prompt})
         for m in self.store.messages(self.conversation_id, with_steps=False):
-            if sent_to_model(m):
+            if not sent_to_model(m):
+                continue
+            if m.role == "user" and out and out[-1]["role"] == "user":
+                # the reply between them failed before its first token: one turn, as
+                # chat templates that require alternating roles refuse two in a row
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{m.content}"}
+            else:
                 out.append({"role": m.role, "content": m.content})
         return tuple(out)
 

@@ -28,6 +28,8 @@ from engine.events import Finished, PromptProgress, Step
 log = logging.getLogger(__name__)
 
 DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "head", "auto")
+NO_DRAFT_MODEL = ("The model drafter needs a draft model: pick one under Draft model in the "
+                  "side panel, or choose another drafter.")
 # Quit waits this long for the engine thread: a reply stops at its next step, but a model
 # load or a calibration cannot be interrupted (the app then leaves without it: app.ui.gui)
 ENGINE_STOP_MS = 10_000
@@ -267,6 +269,8 @@ class EngineWorker(QObject):
         """The ChatSession for this target and draft pairing (kept across turns)."""
         from engine.decode import ChatSession
 
+        if not plain and settings.drafter == "model" and not settings.draft:
+            raise EngineError(NO_DRAFT_MODEL)  # (the engine's words are the command line's)
         self._ensure_target(settings.target)
         wants_draft = not plain and settings.drafter in ("model", "auto") and settings.draft
         key = settings.draft if wants_draft else None

@@ -18,7 +18,8 @@ from PySide6.QtWidgets import QFileDialog
 
 from app.store import COMPLETE
 from app.ui.settings_file import read_settings
-from app.ui.worker import ChatSettings
+from app.ui.settings_panel import NO_DRAFT_HELP
+from app.ui.worker import NO_DRAFT_MODEL, ChatSettings
 
 TIMEOUT = 60_000
 REPO = Path(__file__).resolve().parents[2]
@@ -233,3 +234,52 @@ def test_the_app_says_when_its_settings_file_is_damaged(tiny_pair, tmp_path,
     saved = QSettings(str(conf), QSettings.Format.IniFormat)  # written whole on quit
     assert json.loads(saved.value("chat/settings"))["target"] == str(tiny_pair[0])
     assert read_settings(saved)[1] is None
+
+
+# -- the drafter list's `model` entry -----------------------------------------------------------
+
+def test_model_drafter_needs_a_usable_draft_model(qtbot, make_gui, tiny_pair, tmp_path,
+                                                  monkeypatch) -> None:
+    """`model` could be picked with no usable draft model; the reply then failed with the
+    command line's words ("pass --draft MODEL")."""
+    target, draft = tiny_pair
+    gui = make_gui(plain_settings(target))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    panel = gui.window.settings_panel
+    combo = panel.drafter_combo
+
+    def model_entry():
+        return combo.model().item(combo.findData("model"))
+
+    assert gui.controller.settings.draft is None
+    assert not model_entry().isEnabled() and model_entry().toolTip() == NO_DRAFT_HELP
+    assert panel.draft_combo.isEnabled()  # with the drafter off, a draft can still be picked
+
+    choose_folder(monkeypatch, panel.draft_combo, draft)
+    qtbot.waitUntil(lambda: gui.controller.settings.draft == str(draft), timeout=TIMEOUT)
+    assert model_entry().isEnabled()
+
+    choose_folder(monkeypatch, panel.draft_combo, target)  # the target cannot draft for itself
+    qtbot.waitUntil(lambda: gui.controller.settings.draft == str(target), timeout=TIMEOUT)
+    assert not model_entry().isEnabled()
+    assert "target model itself" in model_entry().toolTip()
+
+
+def test_a_failed_reply_leaves_no_two_user_turns_in_a_row(qtbot, make_gui, tiny_pair) -> None:
+    """Saved settings may still say `model` with no draft: the reply fails in the app's
+    words, and the next message goes to the model as one user turn with the unanswered one
+    (templates that require alternating roles refuse two user turns in a row)."""
+    gui = make_gui(replace(plain_settings(tiny_pair[0]), drafter="model", draft=None))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    gui.controller.send("first question")
+    wait_idle(qtbot, gui)
+    assert gui.window.banner.text == NO_DRAFT_MODEL and "--" not in NO_DRAFT_MODEL
+    assert [m.role for m in gui.store.messages(gui.controller.conversation_id)] == ["user"]
+
+    gui.controller.set_settings(replace(gui.controller.settings, drafter="off"))
+    gui.controller.send("second question")
+    assert gui.controller.current_request.messages == (
+        {"role": "user", "content": "first question\n\nsecond question"},)
+    wait_idle(qtbot, gui)
+    roles = [m.role for m in gui.store.messages(gui.controller.conversation_id)]
+    assert roles == ["user", "user", "assistant"]
