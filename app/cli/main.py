@@ -58,8 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Run without arguments to open the app.",
     )
     parser.add_argument("--smoke", action="store_true",
-                        help="open the app offscreen, answer one message on the demo model, "
-                        "quit (status 0 when it worked)")
+                        help="open the app offscreen, answer one message on the demo model "
+                        "(or --model's), quit (status 0 when it worked)")
+    # dest differs from the subcommands' --model, whose default would overwrite this one
+    parser.add_argument("--model", dest="gui_model", default=None, metavar="MODEL",
+                        help="open the app on this model (a folder, an HF repo id in the local "
+                        "cache, or 'demo'); default: the model last used")
     sub = parser.add_subparsers(dest="command")
 
     gen = sub.add_parser("generate", help="generate one reply and stream it to stdout")
@@ -400,7 +404,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_gui(model: str = "demo", *, smoke: bool = False) -> int:
+def cmd_gui(model: str | None = None, *, smoke: bool = False) -> int:
+    """The app, on `model` when given, else on the model last used (the settings keep it)."""
     from app.ui.gui import run_gui
 
     return run_gui(model, smoke=smoke)
@@ -424,11 +429,14 @@ def main(argv: list[str] | None = None) -> int:
     ensure_openblas(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is not None and args.gui_model is not None:
+        parser.error(f"--model before a command opens the app; for {args.command}, put it "
+                     f"after: understudy {args.command} --model {args.gui_model}")
     from engine.errors import EngineError
 
     try:
         if args.command is None:
-            return cmd_gui(smoke=args.smoke)
+            return cmd_gui(args.gui_model, smoke=args.smoke)
         if args.command == "models":
             from app.cli import models as models_cli
 

@@ -119,6 +119,7 @@ class ChatController(QObject):
     model_loading = Signal(str)
     model_load_progressed = Signal(int, int)  # weight bytes read, of total
     model_loaded = Signal(object)  # ModelInfo
+    model_load_failed = Signal(str, str)  # spec, message (the model in use is unchanged)
     head_available = Signal(bool)  # whether the current target has a trained head
     comparison_started = Signal(str, str)  # speculative label, plain label
     plain_prompt_progressed = Signal(int, int)  # done, total of the plain run
@@ -134,6 +135,9 @@ class ChatController(QObject):
         self.settings = settings or ChatSettings()
         self.conversation_id: int | None = None
         self.model: ModelInfo | None = None
+        # the target to open when the first one fails to load (the app's demo model), so a
+        # saved model that has gone away leaves a working app; None: stay without a model
+        self.fallback_target: str | None = None
         self.has_head = False  # a trained head loads for the current target (head_available)
         self._reply: _Reply | None = None
         self._race_plain: _Reply | None = None  # a comparison's plain run, racing _reply
@@ -350,7 +354,13 @@ class ChatController(QObject):
         if self.settings.system_prompt.strip():
             out.append({"role": "system", "content": self.settings.system_prompt})
         for m in self.store.messages(self.conversation_id, with_steps=False):
-            if sent_to_model(m):
+            if not sent_to_model(m):
+                continue
+            if m.role == "user" and out and out[-1]["role"] == "user":
+                # the reply between them failed before its first token: one turn, as
+                # chat templates that require alternating roles refuse two in a row
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n\n{m.content}"}
+            else:
                 out.append({"role": m.role, "content": m.content})
         return tuple(out)
 
@@ -527,4 +537,19 @@ class ChatController(QObject):
             self.head_available.emit(available)
 
     def _on_model_load_failed(self, spec: str, message: str) -> None:
-        self.error_raised.emit(f"Could not load model {spec!r}: {message}")
+        """A target that failed to load gives way to the one loaded before it (still in
+        memory, or loaded again), or at start to `fallback_target`: the app stays usable.
+        A draft's failure is the failed reply's message, said there."""
+        self.model_load_failed.emit(spec, message)
+        if spec != self.settings.target:
+            return
+        said = f"Could not load model {spec!r}: {message}"
+        if self.model is not None and self.model.spec != spec:
+            previous, said = self.model.spec, f"{said} — still using {self.model.name}."
+        elif self.fallback_target not in (None, spec):
+            previous, said = self.fallback_target, f"{said} — opening {self.fallback_target!r} instead."
+        else:
+            previous = None
+        self.error_raised.emit(said)
+        if previous is not None:
+            self.load_model(previous)

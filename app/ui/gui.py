@@ -19,23 +19,28 @@ from PySide6.QtCore import QSettings
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.bounded_exit import exit_now
+from app.hub.model_choices import DEMO_SPEC
 from app.logs import setup_logging
 from app.store import Store, StoreError
 from app.ui.app_icon import app_icon
 from app.ui.controller import ChatController
 from app.ui.crash import CrashHandler
-from app.ui.main_window import MainWindow, load_chat_settings, settings_store
+from app.ui.main_window import MainWindow
+from app.ui.settings_file import read_settings, settings_store
 from app.ui.theme import apply_theme
 from app.ui.worker import ChatSettings, EngineHost
 
 log = logging.getLogger("understudy")
 
 
-def run_gui(model_spec: str = "demo", *, smoke: bool = False) -> int:
-    """Open the main window on `model_spec` and run until it closes; returns the exit code.
+def run_gui(model_spec: str | None = None, *, smoke: bool = False) -> int:
+    """Open the main window and run until it closes; returns the exit code.
 
+    The window opens on `model_spec` when given (`understudy --model X`), else on the model
+    last used; one that no longer loads gives way to the demo model, with a banner saying so.
     With `smoke`, the window opens offscreen (unless QT_QPA_PLATFORM says otherwise) over a
-    scratch history and settings file, answers one message and quits: 0 when it worked.
+    scratch history and settings file, answers one message on `model_spec` (default: the
+    demo) and quits: 0 when it worked.
     """
     import qasync
 
@@ -70,11 +75,14 @@ def run_gui(model_spec: str = "demo", *, smoke: bool = False) -> int:
             from app.ui.smoke import SMOKE_MAX_TOKENS
 
             qs = QSettings(str(Path(scratch.name) / "settings.ini"), QSettings.Format.IniFormat)
-            settings = ChatSettings(target=model_spec, max_tokens=SMOKE_MAX_TOKENS)
+            settings = ChatSettings(target=model_spec or DEMO_SPEC, max_tokens=SMOKE_MAX_TOKENS)
+            damage = None
         else:
             qs = settings_store()
-            settings = load_chat_settings(qs, model_spec)
+            settings, damage = read_settings(qs, model_spec)
         controller = ChatController(store, host, settings)
+        if not smoke:
+            controller.fallback_target = DEMO_SPEC
         window = MainWindow(controller, qs)
         crash = CrashHandler(controller, log_path, window, show_dialog=not smoke)
         crash.install()
@@ -83,6 +91,10 @@ def run_gui(model_spec: str = "demo", *, smoke: bool = False) -> int:
 
             run = SmokeRun(controller, window)
         window.open_initial_conversation()
+        if damage is not None:  # below the history's notice, when it has one
+            shown = window.banner.text
+            window.banner.show_message(f"{shown}\n{damage.message()}" if shown
+                                       else damage.message())
         window.show()
         controller.load_model()
 

@@ -43,12 +43,16 @@ from app.ui.composer import Composer
 from app.ui.controller import ChatController
 from app.ui.elided_label import ElidedLabel
 from app.ui.gauge import GaugeWidget
-from app.ui.settings_panel import SettingsPanel
+from app.ui.settings_file import load_chat_settings, settings_store
+from app.ui.settings_panel import SettingsPanel, model_name
 from app.ui.sidebar import Sidebar
 from app.ui.step_warnings import StepWarnings
 from app.ui.token_render import conversation_markdown
-from app.ui.worker import ChatSettings, ModelInfo
+from app.ui.worker import ModelInfo
 from engine.events import Stats, Step
+
+# load_chat_settings and settings_store live in app.ui.settings_file; still importable here
+__all__ = ["ErrorBanner", "MainWindow", "load_chat_settings", "settings_store"]
 
 if TYPE_CHECKING:
     from app.hub.library import LocalModel
@@ -90,23 +94,6 @@ class ErrorBanner(QFrame):
     @property
     def text(self) -> str:
         return self.label.text() if self.isVisible() else ""
-
-
-def settings_store() -> QSettings:
-    return QSettings("Understudy", "Understudy")
-
-
-def load_chat_settings(qs: QSettings, target: str | None = None) -> ChatSettings:
-    """The chat settings last used (JSON in QSettings), with `target` taking precedence."""
-    raw = qs.value("chat/settings", "")
-    try:
-        data = json.loads(raw) if raw else {}
-    except (TypeError, ValueError):
-        data = {}
-    settings = ChatSettings.from_dict(data if isinstance(data, dict) else {})
-    if target:
-        settings = ChatSettings.from_dict({**settings.as_dict(), "target": target})
-    return settings
 
 
 COMPARE_TIP = "Run each prompt with and without speculation, side by side"
@@ -219,6 +206,7 @@ class MainWindow(QMainWindow):
         controller.model_loading.connect(self._on_model_loading)
         controller.model_loaded.connect(self._on_model_loaded)
         controller.model_load_progressed.connect(self._on_model_load_progressed)
+        controller.model_load_failed.connect(self._on_model_load_failed)
         controller.message_added.connect(self._on_message_added)
         controller.prompt_progressed.connect(self.gauge.show_prompt_progress)
         controller.step_received.connect(self._on_step_received)
@@ -583,6 +571,15 @@ class MainWindow(QMainWindow):
                 gauge.set_context_window(model.context_window)
         if info.template_warning:
             self.banner.show_message(info.template_warning)
+
+    def _on_model_load_failed(self, spec: str, _message: str) -> None:
+        """The banner says why; the status bar says the load ended, and what is in use."""
+        self.load_progress.hide()
+        model = self.controller.model
+        text = f"Could not load {model_name(spec)}"
+        if model is not None:
+            text += f" — still using {model.name} · {model.model_type} · {model.backend}"
+        self.model_label.setText(text)
 
     def _on_message_added(self, message: Message) -> None:
         if message.role == "assistant":

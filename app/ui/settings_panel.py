@@ -42,6 +42,8 @@ DRAFTER_HELP = {
     "head": "A head trained on this model's own replies (Chat ▸ Train a Drafter for This Model…)",
     "auto": "Pick the best drafter from measured costs and acceptance",
 }
+NO_DRAFT_HELP = ("Pick a draft model under Draft model first: a smaller model of the "
+                 "target's family (Models… downloads one)")
 NO_HEAD_HELP = ("No drafter head is trained for this model yet: Chat ▸ Train a Drafter for "
                 "This Model… trains one")
 ACCEPT_HELP = {
@@ -54,6 +56,7 @@ TREE_HELP = {
     "off": "Chains only: one guess per position",
 }
 NO_DRAFT = "(no draft model)"
+CANNOT_DRAFT = "Cannot draft for this target: "
 CHOOSE_FOLDER = "Choose a folder…"
 CHOOSE = "\x00choose-folder"  # the item data of CHOOSE_FOLDER, never a model spec
 
@@ -129,6 +132,7 @@ class SettingsPanel(QWidget):
             # Long model names must not widen the panel; the full name is in the tooltip.
             combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             combo.setMinimumContentsLength(8)
+        self.draft_combo.setToolTip("The model that drafts for the model and auto drafters")
         k_row = QHBoxLayout()
         k_row.setContentsMargins(0, 0, 0, 0)
         k_row.addWidget(self.k_auto)
@@ -176,6 +180,7 @@ class SettingsPanel(QWidget):
         controller.settings_changed.connect(self._on_settings_changed)
         controller.model_loading.connect(self._on_model_loading)
         controller.model_loaded.connect(self._on_model_loaded)
+        controller.model_load_failed.connect(self._on_model_load_failed)
         controller.head_available.connect(self._on_head_available)
 
     # -- reading and writing ---------------------------------------------------------------
@@ -254,7 +259,7 @@ class SettingsPanel(QWidget):
             reason = draft_incompatibility(self._target_path, choice)
             if reason:
                 item.setEnabled(False)
-                item.setToolTip(f"Cannot draft for this target: {reason}")
+                item.setToolTip(f"{CANNOT_DRAFT}{reason}")
             else:
                 item.setToolTip(str(choice.path))
             self.draft_model.appendRow(item)
@@ -270,6 +275,7 @@ class SettingsPanel(QWidget):
         try:
             self._fill_targets(self.controller.settings.target)
             self._fill_drafts(self.controller.settings.draft)
+            self._sync_model_drafter()
         finally:
             self._updating = False
 
@@ -283,12 +289,29 @@ class SettingsPanel(QWidget):
 
     def _sync_enabled(self) -> None:
         mode = self.drafter_combo.currentData()
-        self.draft_combo.setEnabled(mode in ("model", "auto"))
+        self._sync_model_drafter()
         self.k_spin.setEnabled(not self.k_auto.isChecked() and mode != "off")
         self.k_auto.setEnabled(mode != "off")
         self.accept_combo.setEnabled(mode != "off")
         # the rejection rule verifies chains only (engine/tree_verify.py)
         self.tree_combo.setEnabled(mode != "off" and self.accept_combo.currentData() == "coupled")
+
+    def _sync_model_drafter(self) -> None:
+        """`model` is offered only once a draft model that can pair with the target is
+        chosen (a reply with it would only fail); the draft picker stays open in every
+        mode, so that choosing one is always possible."""
+        draft = self.draft_combo.currentData()
+        reason = self.draft_reason(draft) if draft and draft != CHOOSE else NO_DRAFT_HELP
+        item = self.drafter_combo.model().item(self.drafter_combo.findData("model"))
+        item.setEnabled(reason is None)
+        if reason is None:
+            item.setToolTip(DRAFTER_HELP["model"])
+        elif reason == NO_DRAFT_HELP:
+            item.setToolTip(NO_DRAFT_HELP)
+        else:
+            why = reason.removeprefix(CANNOT_DRAFT)
+            item.setToolTip(f"Pick another draft model: the chosen one cannot draft for this "
+                            f"target ({why})")
 
     # -- events --------------------------------------------------------------------------
     def _on_edited(self, *_: object) -> None:
@@ -329,6 +352,11 @@ class SettingsPanel(QWidget):
     def _on_model_loading(self, spec: str) -> None:
         self.model_status.setText(f"Loading {spec}…")
 
+    def _on_model_load_failed(self, spec: str, _message: str) -> None:
+        model = self.controller.model
+        self.model_status.setText(f"Could not load {model_name(spec)}" + (
+            f"; still using {model.name}" if model is not None else ""))
+
     def _on_head_available(self, available: bool) -> None:
         """`head` is offered only for a target with a trained head; without one its entry is
         greyed out and says how to train one (a reply with it would only fail)."""
@@ -350,8 +378,14 @@ class SettingsPanel(QWidget):
         try:
             self._fill_targets(info.spec)
             self._fill_drafts(self.controller.settings.draft)
+            self._sync_model_drafter()
         finally:
             self._updating = False
+
+
+def model_name(spec: str) -> str:
+    """A model spec as a label names it: a folder by its name, "demo" or a repo id as is."""
+    return Path(spec).name if spec.startswith(("/", "~", ".")) else spec
 
 
 def _double(lo: float, hi: float, step: float, decimals: int) -> QDoubleSpinBox:

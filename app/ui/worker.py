@@ -11,11 +11,12 @@ messages (`generation_failed`, `model_load_failed`), never as exceptions in the 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -27,6 +28,8 @@ from engine.events import Finished, PromptProgress, Step
 log = logging.getLogger(__name__)
 
 DRAFTER_MODES = ("off", "model", "ngram", "layerskip", "head", "auto")
+NO_DRAFT_MODEL = ("The model drafter needs a draft model: pick one under Draft model in the "
+                  "side panel, or choose another drafter.")
 # Quit waits this long for the engine thread: a reply stops at its next step, but a model
 # load or a calibration cannot be interrupted (the app then leaves without it: app.ui.gui)
 ENGINE_STOP_MS = 10_000
@@ -198,24 +201,39 @@ class EngineWorker(QObject):
     # -- loading -------------------------------------------------------------------------
     @Slot(str)
     def load_target(self, spec: str) -> None:
-        """Load `spec` as the target (a no-op when it is already loaded)."""
-        try:
+        """Load `spec` as the target (a no-op when it is already loaded); a failure is
+        `model_load_failed`, said by `_ensure_target`."""
+        with contextlib.suppress(ModelLoadFailed):
             self._ensure_target(spec)
-        except Exception as exc:  # noqa: BLE001 - any failure becomes a banner, not a crash
-            self.model_load_failed.emit(spec, _describe(exc))
 
     def _ensure_target(self, spec: str) -> None:
         if self._target is not None and self._target_spec == spec:
             return
         self.model_loading.emit(spec)
-        self._target = self._target_spec = None
-        self._sessions.clear()
-        self._head = None
-        self._close_online()
-        loaded = self._load(spec)
+        with self._load_failures_said(spec):
+            if self._target is not None:
+                # a folder that cannot load (a bad config.json, no tokenizer) fails here,
+                # before the model in use is let go, so it stays loaded and answering
+                _check_loadable(spec)
+            self._target = self._target_spec = None
+            self._sessions.clear()
+            self._head = None
+            self._close_online()
+            loaded = self._load(spec)
         self._target, self._target_spec = loaded, spec
         self.model_loaded.emit(_model_info(spec, loaded))
         self._say_head_available()
+
+    @contextlib.contextmanager
+    def _load_failures_said(self, spec: str) -> Iterator[None]:
+        """Turn a failed load into `model_load_failed` (the GUI said "Loading…" for it,
+        whether a load, a reply or the server asked), raised on as `ModelLoadFailed`."""
+        try:
+            yield
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a message, not a crash
+            message = _describe(exc)
+            self.model_load_failed.emit(spec, message)
+            raise ModelLoadFailed(message) from exc
 
     def _say_head_available(self) -> None:
         """Tell the GUI whether `head` can draft for the loaded target (so the drafter list
@@ -227,7 +245,8 @@ class EngineWorker(QObject):
         if spec not in self._drafts:
             self.model_loading.emit(spec)
             self._drafts.clear()  # keep one draft in memory at a time
-            self._drafts[spec] = self._load(spec)
+            with self._load_failures_said(spec):
+                self._drafts[spec] = self._load(spec)
             self.model_loaded.emit(_model_info(spec, self._drafts[spec]))
         return self._drafts[spec]
 
@@ -250,6 +269,8 @@ class EngineWorker(QObject):
         """The ChatSession for this target and draft pairing (kept across turns)."""
         from engine.decode import ChatSession
 
+        if not plain and settings.drafter == "model" and not settings.draft:
+            raise EngineError(NO_DRAFT_MODEL)  # (the engine's words are the command line's)
         self._ensure_target(settings.target)
         wants_draft = not plain and settings.drafter in ("model", "auto") and settings.draft
         key = settings.draft if wants_draft else None
@@ -480,6 +501,23 @@ class EngineWorker(QObject):
             job.emit(JobFailed(_describe(exc), 500))
             return
         run_job(session, job)
+
+
+class ModelLoadFailed(EngineError):
+    """A load that failed and has been reported (`model_load_failed`) already."""
+
+
+def _check_loadable(spec: str) -> None:
+    """Raise what loading `spec` would, as far as it shows without reading the weights."""
+    from engine.loading import DEMO_SPEC, inspect_weights, resolve_model_path
+
+    if spec.strip() == DEMO_SPEC:
+        return  # ours: a damaged demo folder is made again by the load itself
+    folder = resolve_model_path(spec)
+    inspect_weights(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise EngineError(f"{folder / 'tokenizer.json'}: missing (only models with a fast "
+                          "tokenizer.json are supported)")
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,0 +1,285 @@
+"""Which model the app opens on, what a model that fails to load leaves, damaged settings,
+and the drafter list's `model` entry: real engine thread, store, widgets and settings files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from PySide6.QtCore import QSettings
+from PySide6.QtWidgets import QFileDialog
+
+from app.store import COMPLETE
+from app.ui.settings_file import read_settings
+from app.ui.settings_panel import NO_DRAFT_HELP
+from app.ui.worker import NO_DRAFT_MODEL, ChatSettings
+
+TIMEOUT = 60_000
+REPO = Path(__file__).resolve().parents[2]
+
+
+def plain_settings(target: Path, **kw) -> ChatSettings:
+    return ChatSettings(target=str(target), drafter="off", max_tokens=kw.pop("max_tokens", 6),
+                        **kw)
+
+
+def choose_folder(monkeypatch, combo, folder: Path) -> None:
+    """Pick "Choose a folder…" and answer the folder dialog with `folder`."""
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(folder))
+    combo.setCurrentIndex(combo.findData("\x00choose-folder"))
+
+
+def wait_idle(qtbot, gui) -> None:
+    qtbot.waitUntil(lambda: not gui.controller.generating, timeout=TIMEOUT)
+
+
+# -- the model the app opens on --------------------------------------------------------------
+
+OPENING_APP = """
+import os, sys
+os.environ["QT_QPA_PLATFORM"] = "offscreen"
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication
+app = QApplication([])
+from app.cli.main import main
+from app.ui.main_window import MainWindow
+
+def poll():
+    wins = [w for w in app.topLevelWidgets() if isinstance(w, MainWindow)]
+    if wins and wins[0].controller.model is not None:
+        w = wins[0]
+        if os.environ.get("SHOT"):
+            w.grab().save(os.environ["SHOT"])
+        print("OPENED", w.controller.model.spec, flush=True)
+        print("BANNER", w.banner.text.replace("\\n", " | "), flush=True)
+        w.close()
+        app.quit()
+        return
+    QTimer.singleShot(20, poll)
+
+QTimer.singleShot(0, poll)
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def open_app(tmp_path: Path, *args: str, shot: Path | None = None) -> dict[str, str]:
+    """`understudy [args]` (the app) with its own config and data dirs, until a model has
+    loaded: what it opened on and the banner."""
+    script = tmp_path / "open_app.py"
+    script.write_text(OPENING_APP)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "UNDERSTUDY_DATA_DIR": str(tmp_path / "data"),
+           "XDG_CONFIG_HOME": str(tmp_path / "config"), "HOME": str(tmp_path),
+           "SHOT": str(shot or "")}
+    done = subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines()
+                 if line.startswith(("OPENED ", "BANNER ")))
+    return {"opened": lines["OPENED"], "banner": lines.get("BANNER", "")}
+
+
+def settings_file(tmp_path: Path) -> Path:
+    return tmp_path / "config" / "Understudy" / "Understudy.conf"
+
+
+def test_the_app_reopens_on_the_model_last_used(tiny_pair, tmp_path) -> None:
+    """The Target was forgotten on every start (`understudy` always asked for the demo).
+    Now `--model` wins for its run, a plain start reopens on the model last used, and one
+    that is gone gives way to the demo, with a banner naming it."""
+    model = tmp_path / "my-model"
+    shutil.copytree(tiny_pair[0], model)
+    assert open_app(tmp_path, "--model", str(model))["opened"] == str(model)
+    saved = QSettings(str(settings_file(tmp_path)), QSettings.Format.IniFormat)
+    assert json.loads(saved.value("chat/settings"))["target"] == str(model)
+
+    again = open_app(tmp_path)
+    assert again == {"opened": str(model), "banner": ""}
+
+    shutil.rmtree(model)
+    fallen_back = open_app(tmp_path)
+    assert fallen_back["opened"] == "demo"
+    assert fallen_back["banner"].startswith(f"Could not load model '{model}': ")
+    assert fallen_back["banner"].endswith("— opening 'demo' instead.")
+
+
+def test_model_before_a_command_is_refused_with_the_right_place(capsys) -> None:
+    from app.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", "x", "generate", "hi"])
+    assert exit_.value.code == 2
+    assert "understudy generate --model x" in capsys.readouterr().err
+
+
+# -- a model that fails to load ----------------------------------------------------------------
+
+def test_a_model_that_fails_to_load_leaves_the_one_in_use(qtbot, make_gui, tiny_pair, tmp_path,
+                                                          monkeypatch, screenshots_dir) -> None:
+    """A folder with a broken config.json said "Loading …" forever, left its name in Target
+    and unloaded the model in use, so the next message failed without a reply."""
+    target = tiny_pair[0]
+    gui = make_gui(plain_settings(target))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    panel, window = gui.window.settings_panel, gui.window
+    bad = tmp_path / "badmodel"
+    bad.mkdir()
+    (bad / "config.json").write_text("{garbage")
+    loaded: list[str] = []
+    gui.controller.model_loaded.connect(lambda info: loaded.append(info.spec))
+
+    choose_folder(monkeypatch, panel.target_combo, bad)
+    qtbot.waitUntil(lambda: "Could not load model" in window.banner.text, timeout=TIMEOUT)
+    assert "config.json" in window.banner.text
+    assert window.banner.text.endswith("— still using tiny-target.")
+    assert gui.controller.settings.target == str(target)
+    assert panel.target_combo.currentData() == str(target)
+    assert window.model_label.text() == "Could not load badmodel — still using tiny-target · " \
+        f"{gui.controller.model.model_type} · {gui.controller.model.backend}"
+    assert panel.model_status.text() == "Could not load badmodel; still using tiny-target"
+    assert not window.load_progress.isVisible()
+    assert loaded == []  # the model in use was never let go, so nothing loaded again
+    window.grab().save(str(screenshots_dir / "model_load_failed.png"))
+
+    gui.controller.send("Are you there?")
+    wait_idle(qtbot, gui)
+    [user, reply] = gui.store.messages(gui.controller.conversation_id)
+    assert user.content == "Are you there?"
+    assert reply.status == COMPLETE and reply.model == str(target)
+    assert reply.stats["generated_tokens"] == 6
+
+
+def test_a_model_that_fails_late_in_its_load_gives_way_to_the_one_before(
+        qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    """A folder that looks whole but fails once loading has begun (here its tokenizer):
+    the model in use was already let go, so it is loaded again and answers."""
+    target = tiny_pair[0]
+    gui = make_gui(plain_settings(target))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    broken = tmp_path / "broken-tokenizer"
+    shutil.copytree(target, broken)
+    (broken / "tokenizer.json").write_text("{not a tokenizer")
+    loaded: list[str] = []
+    gui.controller.model_loaded.connect(lambda info: loaded.append(info.spec))
+
+    gui.controller.set_settings(replace(gui.controller.settings, target=str(broken)))
+    qtbot.waitUntil(lambda: loaded == [str(target)], timeout=TIMEOUT)
+    assert "Could not load model" in gui.window.banner.text
+    assert gui.controller.settings.target == str(target)
+    assert gui.window.model_label.text().startswith("tiny-target · ")
+    gui.controller.send("Still there?")
+    wait_idle(qtbot, gui)
+    assert gui.store.messages(gui.controller.conversation_id)[-1].status == COMPLETE
+
+
+# -- damaged settings ----------------------------------------------------------------------------
+
+def test_a_settings_file_of_random_bytes_is_kept_aside_and_reported(tmp_path, caplog) -> None:
+    path = tmp_path / "Understudy.conf"
+    garbage = os.urandom(4000)
+    path.write_bytes(garbage)
+    qs = QSettings(str(path), QSettings.Format.IniFormat)
+    with caplog.at_level(logging.WARNING, logger="understudy"):
+        settings, damage = read_settings(qs)
+    assert settings == ChatSettings()
+    assert damage is not None and damage.kept is not None
+    assert damage.kept.name.startswith("Understudy.conf.damaged-")
+    assert damage.kept.read_bytes() == garbage
+    assert str(damage.kept) in damage.message()
+    assert damage.message().startswith("Your settings could not be read (")
+    assert str(path) in caplog.text and "could not be read" in caplog.text
+    assert qs.allKeys() == []  # what is written on quit is the app's own keys only
+
+
+def test_chat_settings_cut_short_are_kept_aside_and_reported(tmp_path, caplog) -> None:
+    """A `chat/settings` value cut short read as "nothing saved", without a word."""
+    path = tmp_path / "Understudy.conf"
+    whole = json.dumps(ChatSettings(target="demo", temperature=0.7).as_dict())
+    qs = QSettings(str(path), QSettings.Format.IniFormat)
+    qs.setValue("chat/settings", whole[: len(whole) // 2])
+    qs.setValue("view/comparison", True)
+    qs.sync()
+    before = path.read_bytes()
+    qs = QSettings(str(path), QSettings.Format.IniFormat)
+    with caplog.at_level(logging.WARNING, logger="understudy"):
+        settings, damage = read_settings(qs, "some-model")
+    assert settings == ChatSettings(target="some-model")
+    assert damage is not None and "cut short" in damage.reason
+    assert damage.kept is not None and damage.kept.read_bytes() == before
+    assert "could not be read" in caplog.text
+    assert qs.value("view/comparison") in (True, "true")  # the rest of the file still reads
+    # valid JSON with one bad value is no damage: that value alone falls back
+    qs.setValue("chat/settings", json.dumps({"temperature": "hot", "seed": 5}))
+    assert read_settings(qs) == (ChatSettings(seed=5), None)
+
+
+def test_the_app_says_when_its_settings_file_is_damaged(tiny_pair, tmp_path,
+                                                        screenshots_dir) -> None:
+    conf = settings_file(tmp_path)
+    conf.parent.mkdir(parents=True)
+    garbage = os.urandom(3000)
+    conf.write_bytes(garbage)
+    shot = screenshots_dir / "settings_damaged.png"
+    opened = open_app(tmp_path, "--model", str(tiny_pair[0]), shot=shot)
+    assert opened["opened"] == str(tiny_pair[0])
+    assert opened["banner"].startswith("Your settings could not be read (")
+    [kept] = conf.parent.glob("Understudy.conf.damaged-*")
+    assert kept.read_bytes() == garbage and str(kept) in opened["banner"]
+    saved = QSettings(str(conf), QSettings.Format.IniFormat)  # written whole on quit
+    assert json.loads(saved.value("chat/settings"))["target"] == str(tiny_pair[0])
+    assert read_settings(saved)[1] is None
+
+
+# -- the drafter list's `model` entry -----------------------------------------------------------
+
+def test_model_drafter_needs_a_usable_draft_model(qtbot, make_gui, tiny_pair, tmp_path,
+                                                  monkeypatch) -> None:
+    """`model` could be picked with no usable draft model; the reply then failed with the
+    command line's words ("pass --draft MODEL")."""
+    target, draft = tiny_pair
+    gui = make_gui(plain_settings(target))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    panel = gui.window.settings_panel
+    combo = panel.drafter_combo
+
+    def model_entry():
+        return combo.model().item(combo.findData("model"))
+
+    assert gui.controller.settings.draft is None
+    assert not model_entry().isEnabled() and model_entry().toolTip() == NO_DRAFT_HELP
+    assert panel.draft_combo.isEnabled()  # with the drafter off, a draft can still be picked
+
+    choose_folder(monkeypatch, panel.draft_combo, draft)
+    qtbot.waitUntil(lambda: gui.controller.settings.draft == str(draft), timeout=TIMEOUT)
+    assert model_entry().isEnabled()
+
+    choose_folder(monkeypatch, panel.draft_combo, target)  # the target cannot draft for itself
+    qtbot.waitUntil(lambda: gui.controller.settings.draft == str(target), timeout=TIMEOUT)
+    assert not model_entry().isEnabled()
+    assert "target model itself" in model_entry().toolTip()
+
+
+def test_a_failed_reply_leaves_no_two_user_turns_in_a_row(qtbot, make_gui, tiny_pair) -> None:
+    """Saved settings may still say `model` with no draft: the reply fails in the app's
+    words, and the next message goes to the model as one user turn with the unanswered one
+    (templates that require alternating roles refuse two user turns in a row)."""
+    gui = make_gui(replace(plain_settings(tiny_pair[0]), drafter="model", draft=None))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    gui.controller.send("first question")
+    wait_idle(qtbot, gui)
+    assert gui.window.banner.text == NO_DRAFT_MODEL and "--" not in NO_DRAFT_MODEL
+    assert [m.role for m in gui.store.messages(gui.controller.conversation_id)] == ["user"]
+
+    gui.controller.set_settings(replace(gui.controller.settings, drafter="off"))
+    gui.controller.send("second question")
+    assert gui.controller.current_request.messages == (
+        {"role": "user", "content": "first question\n\nsecond question"},)
+    wait_idle(qtbot, gui)
+    roles = [m.role for m in gui.store.messages(gui.controller.conversation_id)]
+    assert roles == ["user", "user", "assistant"]
