@@ -323,6 +323,14 @@ def test_off_loopback_needs_a_key(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.startswith("error: host 0.0.0.0") and "--api-key" in err
 
 
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_serve_port_out_of_range_is_an_argument_error(port: str,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    assert main(["serve", "--port", port]) == 1
+    assert capsys.readouterr().err == f"error: --port must be 0-65535, got {port}\n"
+
+
 def test_serve_command_serves_then_stops_cleanly_on_ctrl_c(engine) -> None:
     """`understudy serve` as a user runs it: prints the address, logs each request (never the
     key), and Ctrl-C ends it with status 0 (MLX's thread-local buffers freed on its thread)."""
