@@ -50,12 +50,13 @@ from app.server.wire import (
     completion_response,
     final_extension,
     finish_reason,
+    model_object,
     models_list,
     step_extension,
     usage,
 )
 from engine.errors import EngineError
-from engine.events import Finished, Step
+from engine.events import CUT_MARK, Finished, Step, without_cut_mark
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,9 @@ def create_app(backend: EngineBackend, config: ServerConfig | None = None,
     jobs = JobQueue(backend, config.max_waiting, on_record)
     api = _Api(backend, config, jobs)
     app = Starlette(
+        # `:path`: a model id may be a Hugging Face repo id, slash included
         routes=[Route("/v1/models", api.list_models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", api.retrieve_model, methods=["GET"]),
                 Route("/v1/chat/completions", api.chat, methods=["POST"]),
                 Route("/v1/completions", api.completions, methods=["POST"])],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
@@ -110,6 +113,10 @@ class _Api:
     async def list_models(self, request: Request) -> Response:
         self._authorize(request)
         return JSONResponse(models_list(self.backend.models()))
+
+    async def retrieve_model(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(model_object(self._card(request.path_params["model_id"])))
 
     async def chat(self, request: Request) -> Response:
         self._authorize(request)

@@ -112,6 +112,17 @@ def test_models_lists_the_served_model(client: openai.OpenAI, card: ModelCard) -
     assert ext(models[0])["context_window"] == 2048
 
 
+def test_models_retrieve_one(client: openai.OpenAI, card: ModelCard) -> None:
+    """`GET /v1/models/{id}`: the served model's object, as listed; an unknown id is a 404."""
+    model = client.models.retrieve(card.id)
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    assert (model.id, model.object, model.owned_by) == (card.id, "model", "understudy")
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-9")
+    assert err.value.body["code"] == "model_not_found"
+    assert "'gpt-9' is not served here" in err.value.body["message"]
+
+
 def test_chat_usage_and_stream_match(client: openai.OpenAI, card: ModelCard) -> None:
     ids = card.tokenizer.encode_chat(HELLO)
     reply = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=12,
