@@ -16,7 +16,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sse_starlette import EventSourceResponse
@@ -275,8 +275,9 @@ class _Reply:
                     self.steps_by_drafter[event.drafter] += 1
                 elif isinstance(event, Finished):
                     build = chat_response if self.req.endpoint == "chat" else completion_response
+                    shown = replace(event, text=without_cut_mark(event.text))
                     return JSONResponse(build(self.job.job_id, self.created, self.job.model,
-                                              event, self._extension(event)))
+                                              shown, self._extension(event)))
                 elif isinstance(event, JobFailed):
                     raise ApiError(event.status if event.status < 499 else 500, event.message)
         finally:
@@ -289,8 +290,14 @@ class _Reply:
         self.job.cancel.set()
 
     async def stream(self) -> AsyncIterator[dict[str, str]]:
-        """SSE `data:` chunks: role, one per target pass, the finish, usage, `[DONE]`."""
+        """SSE `data:` chunks: role, one per target pass, the finish, usage, `[DONE]`.
+
+        A step whose text ends in CUT_MARK waits for the next event: if that is the finish,
+        the reply was cut mid-character and the step goes out without the mark (as the
+        whole reply's text does), so no client shows half a character as U+FFFD.
+        """
         job, req = self.job, self.req
+        held: Step | None = None
 
         def data(obj: dict[str, Any]) -> dict[str, str]:
             return {"data": json.dumps(obj, ensure_ascii=False)}
@@ -304,8 +311,17 @@ class _Reply:
                 event = await self.events.get()
                 if isinstance(event, Step):
                     self.steps_by_drafter[event.drafter] += 1
-                    yield make(event.text, extension=step_extension(event))
+                    if held is not None:
+                        yield make(held.text, extension=step_extension(held))
+                        held = None
+                    if event.text.endswith(CUT_MARK):
+                        held = event
+                    else:
+                        yield make(event.text, extension=step_extension(event))
                 elif isinstance(event, Finished):
+                    if held is not None:
+                        cut = held.without_cut_mark()
+                        yield make(cut.text, extension=step_extension(cut))
                     # usage rides on the finish chunk too, so every stream reports it
                     yield make(None if req.endpoint == "chat" else "",
                                finish=finish_reason(event.stats), usage_=usage(event.stats),

@@ -160,6 +160,54 @@ def test_completions_raw_prompt_no_template(client: openai.OpenAI, card: ModelCa
     assert streamed == reply.choices[0].text
 
 
+def test_text_parts_are_joined(client: openai.OpenAI, card: ModelCard) -> None:
+    """OpenAI's list-of-parts content, all text: read as the parts joined."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " world"}]
+
+    def reply(content) -> str:
+        return client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": content}], max_tokens=6,
+            temperature=0).choices[0].message.content
+
+    assert reply(parts) == reply("Hello world")
+
+
+def test_a_reply_cut_mid_character_sends_no_replacement_mark(client: openai.OpenAI,
+                                                             card: ModelCard) -> None:
+    """max_tokens ending inside a multi-byte character: the incomplete character is left
+    out (never sent as U+FFFD), streamed and whole alike. The tiny byte-level model writes
+    the odd multi-byte character; a longer reply with the same seed shows where one is cut
+    (sampling at a position depends on the seed and the position only)."""
+    mark, decode = "\ufffd", card.tokenizer.decode
+
+    def chat(n: int, seed: int, **kw):
+        return client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": "the cat sat on the mat"}],
+            max_tokens=n, temperature=1.0, seed=seed, extra_body={"drafter": "none"}, **kw)
+
+    def cut(seed: int) -> tuple[int, str] | None:
+        """A token count that ends inside a character the next token completes."""
+        _, chunks, _ = stream_text(chat(80, seed, stream=True))
+        ids = [t["id"] for c in chunks for t in ext(c).get("tokens", [])]
+        for n in range(1, len(ids)):
+            text, longer = decode(ids[:n]), decode(ids[:n + 1])
+            end = len(text) - 1
+            if (text.endswith(mark) and not text[:end].endswith(mark)
+                    and longer[:end] == text[:end] and len(longer) > end
+                    and longer[end] != mark and not longer[end].isascii()):
+                return n, text[:end]
+        return None
+
+    seed, (n, expected) = next((seed, found) for seed in range(16)
+                               if (found := cut(seed)) is not None)
+    whole = chat(n, seed)
+    assert whole.usage.completion_tokens == n
+    assert whole.choices[0].message.content == expected
+    streamed, _, tokens = stream_text(chat(n, seed, stream=True))
+    assert streamed == expected
+    assert "".join(tokens) == expected  # the extension's token texts say the same
+
+
 def test_stop_string_ends_the_reply(client: openai.OpenAI, card: ModelCard) -> None:
     def chat(**kw):
         return client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=24,
