@@ -247,6 +247,21 @@ def test_seed_determinism_and_speculation_is_lossless(client: openai.OpenAI,
         assert stats["drafted"] > 0, drafter  # speculation really ran
 
 
+def test_without_a_seed_each_request_samples_anew(client: openai.OpenAI,
+                                                  card: ModelCard) -> None:
+    """OpenAI's semantics: no seed, a fresh one per request (a client's "regenerate" gets
+    another reply); the same seed, the same reply; speculation lossless under either."""
+    def run(drafter: str = "none", **kw) -> str:
+        return client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": "the cat sat on the mat"}],
+            max_tokens=16, temperature=1.0, extra_body={"drafter": drafter, "draft_k": 3},
+            **kw).choices[0].message.content
+
+    unseeded = {run() for _ in range(3)}
+    assert len(unseeded) == 3
+    assert run(seed=7) == run(seed=7) == run("model", seed=7)
+
+
 def test_sampling_extensions_are_honoured_and_stay_lossless(client: openai.OpenAI,
                                                              card: ModelCard) -> None:
     """top_k, min_p and the repetition penalty (under both names) reach the sampler: each
@@ -485,6 +500,20 @@ BAD_INPUT = [
     ("continuing a user message", "/v1/chat/completions",
      _chat(continue_final_message=True), 400, "continue_final_message"),
     ("logprobs refused", "/v1/chat/completions", _chat(logprobs=True), 400, "logprobs"),
+    ("JSON mode refused", "/v1/chat/completions",
+     _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("structured output refused", "/v1/chat/completions",
+     _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+     "response_format"),
+    ("image part refused", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [
+         {"type": "text", "text": "what is this?"},
+         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400,
+     "messages.0.content"),
+    ("several prompts", "/v1/completions",
+     b'{"model": "MODEL", "prompt": ["a", "b"]}', 400, "prompt"),
+    ("empty prompt list", "/v1/completions", b'{"model": "MODEL", "prompt": []}', 422,
+     "prompt"),
     ("unknown model", "/v1/chat/completions", _chat(model="gpt-9"), 404, "model"),
     ("prompt longer than context", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": "hello " * 2100}]), 400, "messages"),
@@ -517,6 +546,47 @@ def test_bad_input_gets_an_error_object(serve, card: ModelCard, name: str, path:
     ok, good = raw(server, "POST", "/v1/chat/completions",
                    _chat(model=card.id, max_tokens=1), {"Content-Type": "application/json"})
     assert ok == 200 and good["usage"]["completion_tokens"] == 1
+
+
+ERROR_MESSAGES = [
+    # (name, path, body, status, the message) for errors whose cause a client must read
+    ("several prompts", "/v1/completions", b'{"model": "MODEL", "prompt": ["a", "b"]}', 400,
+     "prompt: only one prompt per request is supported, got 2: send one request per prompt"),
+    ("five stops, completion", "/v1/completions",
+     b'{"model": "MODEL", "prompt": "a", "stop": ["a","b","c","d","e"]}', 422,
+     "stop: at most 4 stop strings are supported, got 5"),
+    ("five stops, chat", "/v1/chat/completions", _chat(stop=["a", "b", "c", "d", "e"]), 422,
+     "stop: at most 4 stop strings are supported, got 5"),
+    ("a stop not a string", "/v1/chat/completions", _chat(stop=["a", 5]), 422,
+     "stop.1: Input should be a valid string"),
+    ("image part", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, "messages.0.content: only text parts are supported, got a part of type 'image_url'"),
+    ("text part without text", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 422,
+     "messages.0.content.0.text: Field required"),
+    ("JSON mode", "/v1/chat/completions", _chat(response_format={"type": "json_object"}), 400,
+     "response_format (JSON mode, structured outputs) is not supported by this server: "
+     "replies are plain text"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "message"), ERROR_MESSAGES,
+                         ids=[row[0] for row in ERROR_MESSAGES])
+def test_error_messages_name_the_cause(serve, card: ModelCard, name: str, path: str,
+                                       body: bytes, status: int, message: str) -> None:
+    server = _limited_server(serve)
+    body = body.replace(b"MODEL", card.id.encode())
+    got, reply = raw(server, "POST", path, body, {"Content-Type": "application/json"})
+    assert (got, reply["error"]["message"]) == (status, message)
+
+
+def test_a_plain_text_response_format_is_accepted(client: openai.OpenAI,
+                                                  card: ModelCard) -> None:
+    """{"type": "text"} asks for what every reply here is: no reason to refuse it."""
+    reply = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=3,
+                                           response_format={"type": "text"})
+    assert reply.usage.completion_tokens == 3
 
 
 def test_a_drafter_the_model_lacks_says_why(serve, card: ModelCard) -> None:
@@ -593,7 +663,7 @@ def test_a_trained_head_is_served_and_auto_may_use_it(tmp_path: Path) -> None:
             out = []
             for name in ("none", drafter):
                 reply = client.chat.completions.create(
-                    model=card.id, messages=HELLO, max_tokens=24,
+                    model=card.id, messages=HELLO, max_tokens=24, seed=1,
                     extra_body={"drafter": name, "draft_k": 2})
                 out.append((reply.choices[0].message.content, ext(reply)))
             return card, out
