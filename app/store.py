@@ -19,7 +19,7 @@ import math
 import sqlite3
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -344,16 +344,9 @@ class Store:
                 (message_id,)).fetchone()
             if last is None:
                 return
-            step = step_from_json(last[1])
-            tokens = list(step.tokens)
-            for i in reversed(range(len(tokens))):
-                if tokens[i].kind.committed:
-                    tokens[i] = replace(tokens[i], text=without_cut_mark(tokens[i].text))
-                    if tokens[i].text:
-                        break
+            step = step_from_json(last[1]).without_cut_mark()
             self._db.execute("UPDATE steps SET data = ? WHERE message_id = ? AND idx = ?",
-                             (step_to_json(replace(step, tokens=tuple(tokens))), message_id,
-                              last[0]))
+                             (step_to_json(step), message_id, last[0]))
 
     def append_step(self, message_id: int, step: Step) -> None:
         """Save one step and grow the reply's text, in one transaction (crash-safe)."""

@@ -81,6 +81,18 @@ class Step:
         """The text this step commits to the reply."""
         return "".join(t.text for t in self.tokens if t.kind.committed)
 
+    def without_cut_mark(self) -> Step:
+        """This step with CUT_MARK taken from the end of its committed text (from its last
+        committed tokens), so its `text` is `without_cut_mark` of what it was: the last
+        step of a reply cut mid-character, as a continuation or a client should see it."""
+        tokens = list(self.tokens)
+        for i in reversed(range(len(tokens))):
+            if tokens[i].kind.committed:
+                tokens[i] = replace(tokens[i], text=without_cut_mark(tokens[i].text))
+                if tokens[i].text:
+                    break
+        return replace(self, tokens=tuple(tokens))
+
 
 @dataclass(frozen=True)
 class Stats:

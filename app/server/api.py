@@ -16,7 +16,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sse_starlette import EventSourceResponse
@@ -50,12 +50,13 @@ from app.server.wire import (
     completion_response,
     final_extension,
     finish_reason,
+    model_object,
     models_list,
     step_extension,
     usage,
 )
 from engine.errors import EngineError
-from engine.events import Finished, Step
+from engine.events import CUT_MARK, Finished, Step, without_cut_mark
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,9 @@ def create_app(backend: EngineBackend, config: ServerConfig | None = None,
     jobs = JobQueue(backend, config.max_waiting, on_record)
     api = _Api(backend, config, jobs)
     app = Starlette(
+        # `:path`: a model id may be a Hugging Face repo id, slash included
         routes=[Route("/v1/models", api.list_models, methods=["GET"]),
+                Route("/v1/models/{model_id:path}", api.retrieve_model, methods=["GET"]),
                 Route("/v1/chat/completions", api.chat, methods=["POST"]),
                 Route("/v1/completions", api.completions, methods=["POST"])],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
@@ -110,6 +113,10 @@ class _Api:
     async def list_models(self, request: Request) -> Response:
         self._authorize(request)
         return JSONResponse(models_list(self.backend.models()))
+
+    async def retrieve_model(self, request: Request) -> Response:
+        self._authorize(request)
+        return JSONResponse(model_object(self._card(request.path_params["model_id"])))
 
     async def chat(self, request: Request) -> Response:
         self._authorize(request)
@@ -268,8 +275,9 @@ class _Reply:
                     self.steps_by_drafter[event.drafter] += 1
                 elif isinstance(event, Finished):
                     build = chat_response if self.req.endpoint == "chat" else completion_response
+                    shown = replace(event, text=without_cut_mark(event.text))
                     return JSONResponse(build(self.job.job_id, self.created, self.job.model,
-                                              event, self._extension(event)))
+                                              shown, self._extension(event)))
                 elif isinstance(event, JobFailed):
                     raise ApiError(event.status if event.status < 499 else 500, event.message)
         finally:
@@ -282,8 +290,14 @@ class _Reply:
         self.job.cancel.set()
 
     async def stream(self) -> AsyncIterator[dict[str, str]]:
-        """SSE `data:` chunks: role, one per target pass, the finish, usage, `[DONE]`."""
+        """SSE `data:` chunks: role, one per target pass, the finish, usage, `[DONE]`.
+
+        A step whose text ends in CUT_MARK waits for the next event: if that is the finish,
+        the reply was cut mid-character and the step goes out without the mark (as the
+        whole reply's text does), so no client shows half a character as U+FFFD.
+        """
         job, req = self.job, self.req
+        held: Step | None = None
 
         def data(obj: dict[str, Any]) -> dict[str, str]:
             return {"data": json.dumps(obj, ensure_ascii=False)}
@@ -297,8 +311,17 @@ class _Reply:
                 event = await self.events.get()
                 if isinstance(event, Step):
                     self.steps_by_drafter[event.drafter] += 1
-                    yield make(event.text, extension=step_extension(event))
+                    if held is not None:
+                        yield make(held.text, extension=step_extension(held))
+                        held = None
+                    if event.text.endswith(CUT_MARK):
+                        held = event
+                    else:
+                        yield make(event.text, extension=step_extension(event))
                 elif isinstance(event, Finished):
+                    if held is not None:
+                        cut = held.without_cut_mark()
+                        yield make(cut.text, extension=step_extension(cut))
                     # usage rides on the finish chunk too, so every stream reports it
                     yield make(None if req.endpoint == "chat" else "",
                                finish=finish_reason(event.stats), usage_=usage(event.stats),

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 1234
+MAX_PORT = 65535
 
 
 def is_loopback(host: str) -> bool:
@@ -43,6 +44,8 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A listening-ready socket on host:port (port 0 picks a free one)."""
+    if not 0 <= port <= MAX_PORT:  # socket.bind raises OverflowError, not OSError, here
+        raise EngineError(f"port must be 0-{MAX_PORT}, got {port}")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -107,7 +110,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "another in the extension field 'drafter'")
     p.add_argument("--host", default=DEFAULT_HOST,
                    help="address to listen on (default 127.0.0.1; any other needs --api-key)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port to listen on, 0-{MAX_PORT} (default {DEFAULT_PORT}; 0 picks a "
+                   "free one)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every request")
     p.add_argument("--queue", type=int, default=16,
@@ -122,6 +127,8 @@ def serve(args: argparse.Namespace) -> int:
     from app.server.engine_thread import EngineSpec, EngineThread
 
     check_bind(args.host, args.api_key)
+    if not 0 <= args.port <= MAX_PORT:
+        raise EngineError(f"--port must be 0-{MAX_PORT}, got {args.port}")
     if args.queue < 0:
         raise EngineError(f"--queue must be 0 or more, got {args.queue}")
     sock = bind_socket(args.host, args.port)  # before loading: a busy port fails fast

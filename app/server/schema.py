@@ -1,25 +1,37 @@
 """Request bodies: parsed strictly, checked whole, before anything reaches the engine.
 
 Status codes: 400 for a body that is not UTF-8 JSON or asks for something this server does
-not do (tools, n > 1, a prompt longer than the context); 422 for well-formed JSON with a
-field of the wrong type or out of range (the message names the field); 413 for a body over
-the size limit; 404 for an unknown model. Fields OpenAI defines that change nothing here
+not do (tools, n > 1, image parts, JSON mode, several prompts, a prompt longer than the
+context); 422 for well-formed JSON with a field of the wrong type or out of range (the
+message names the field); 413 for a body over the size limit; 404 for an unknown model. Fields OpenAI defines that change nothing here
 (`user`, `metadata`, `store`, ...) are ignored; ones whose effect we cannot honour are refused.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from dataclasses import dataclass, replace
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from engine.choices import DRAFTERS
 from engine.tuning import K_MAX
 
 DRAFTER_CHOICES = DRAFTERS  # the engine's list: a new drafter reaches the API with no edit here
 MAX_STOP_STRINGS = 4
+TEXT_ONLY = "text_only"  # the error type of a content part that is not text
 
 
 class ApiError(Exception):
@@ -59,6 +71,20 @@ class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr | list[TextPart] | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """An image or audio part is a feature this server lacks; said so here, since the
+        union's own error would blame the first member ("should be a valid string")."""
+        if isinstance(value, list):
+            for part in value:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text" and isinstance(kind, str):
+                    raise PydanticCustomError(
+                        TEXT_ONLY, "only text parts are supported, got a part of type {kind}",
+                        {"kind": repr(kind)})
+        return value
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
@@ -69,7 +95,9 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-Stop = StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None
+# list lengths (MAX_STOP_STRINGS, one prompt) are checked after parsing: a union's own error
+# for a too-long list would name its first member ("should be a valid string") instead
+Stop = StrictStr | list[StrictStr] | None
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)] | None
 TopP = Annotated[float, Field(gt=0.0, le=1.0)] | None
 Seed = Annotated[StrictInt, Field(ge=0, lt=2**64)] | None
@@ -112,7 +140,7 @@ class ChatBody(_Common):
 
 
 class CompletionBody(_Common):
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1, max_length=1)]
+    prompt: StrictStr | list[StrictStr]
 
 
 # Fields we refuse when set to anything but their "off" value: honouring them is not
@@ -131,6 +159,9 @@ _REFUSED: dict[str, tuple[str, tuple[Any, ...]]] = {
     "suffix": ("suffix (fill-in-the-middle) is not supported by this server", (*_OFF, "")),
     "best_of": ("best_of is not supported by this server", (*_OFF, 1)),
     "audio": ("audio output is not supported by this server", _OFF),
+    # {"type": "text"} is what every reply here already is
+    "response_format": ("response_format (JSON mode, structured outputs) is not supported by "
+                        "this server: replies are plain text", (*_OFF, {"type": "text"})),
 }
 
 
@@ -145,7 +176,7 @@ class GenerationRequest:
     max_tokens: int | None  # None: up to the context window
     temperature: float
     top_p: float
-    seed: int
+    seed: int  # the request's, or a fresh one per request (`fresh_seed`)
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
@@ -176,10 +207,29 @@ def _validate(model: type[_Common], data: dict[str, Any]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        err = _cause(e.errors())
         where = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or "body"
+        if err["type"] == TEXT_ONLY:  # a feature this server lacks, like tools: 400
+            raise ApiError(400, f"{where}: {err['msg']}", param=where,
+                           code="unsupported_parameter") from None
         raise ApiError(422, f"{where}: {err['msg']}", param=where,
                        code="invalid_value") from None
+
+
+def _cause(errors: list[Any]) -> Any:
+    """The error that says what is wrong. A value a union rejects fails every member; the
+    members of another type than the value's ("str" for a list) only say "should be a valid
+    string", so the error from the member that matched its type is the one to show."""
+    def type_mismatch(err: Any) -> bool:
+        loc = err["loc"]
+        return bool(loc) and _is_union_tag(loc[-1]) and err["type"].endswith("_type")
+
+    first = errors[0]
+    if not type_mismatch(first):
+        return first
+    field = first["loc"][:-1]
+    return next((err for err in errors if err["loc"][:len(field)] == field
+                 and not type_mismatch(err)), first)
 
 
 def _is_union_tag(part: int | str) -> bool:
@@ -203,10 +253,20 @@ def _refuse_unsupported(body: _Common) -> None:
 
 def _stop(stop: str | list[str] | None) -> tuple[str, ...]:
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(422, f"stop: at most {MAX_STOP_STRINGS} stop strings are supported, "
+                       f"got {len(stops)}", param="stop", code="invalid_value")
     if any(not s for s in stops):
         raise ApiError(422, "stop: stop strings must not be empty", param="stop",
                        code="invalid_value")
     return stops
+
+
+def fresh_seed() -> int:
+    """A seed for a request that names none. OpenAI's semantics: without a seed each request
+    samples anew, so a client's "regenerate" gets another reply; a seed makes it repeatable.
+    Speculation stays lossless either way: draft and verify share the request's one seed."""
+    return secrets.randbits(64)
 
 
 def _common(body: _Common, endpoint: str, max_tokens: int | None,
@@ -218,7 +278,7 @@ def _common(body: _Common, endpoint: str, max_tokens: int | None,
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
-        seed=0 if body.seed is None else body.seed,
+        seed=fresh_seed() if body.seed is None else body.seed,
         stop=_stop(body.stop), stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         drafter=body.drafter, draft_k=body.draft_k,
@@ -255,5 +315,17 @@ def parse_chat(data: dict[str, Any]) -> GenerationRequest:
 def parse_completion(data: dict[str, Any]) -> GenerationRequest:
     """A /v1/completions body → GenerationRequest (OpenAI's default of 16 tokens)."""
     body = _validate(CompletionBody, data)
-    prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+    prompt = body.prompt if isinstance(body.prompt, str) else _one_prompt(body.prompt)
     return _common(body, "completion", body.max_tokens or 16, None, prompt)
+
+
+def _one_prompt(prompts: list[str]) -> str:
+    """OpenAI's list form of `prompt`, which this server takes with one prompt in it."""
+    if not prompts:
+        raise ApiError(422, "prompt: the list of prompts is empty", param="prompt",
+                       code="invalid_value")
+    if len(prompts) > 1:
+        raise ApiError(400, f"prompt: only one prompt per request is supported, got "
+                       f"{len(prompts)}: send one request per prompt", param="prompt",
+                       code="unsupported_parameter")
+    return prompts[0]

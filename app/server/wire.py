@@ -91,9 +91,12 @@ def chunk(endpoint: str, rid: str, created: int, model: str, text: str | None, *
     return out
 
 
+def model_object(card: Any) -> dict[str, Any]:
+    """One served model: an entry of `/v1/models`, and all of `/v1/models/{id}`."""
+    return {"id": card.id, "object": "model", "created": card.created,
+            "owned_by": "understudy", EXTENSION: {
+                "context_window": card.context_window, "drafters": list(card.drafters)}}
+
+
 def models_list(cards: list[Any]) -> dict[str, Any]:
-    return {"object": "list",
-            "data": [{"id": c.id, "object": "model", "created": c.created,
-                      "owned_by": "understudy", EXTENSION: {
-                          "context_window": c.context_window, "drafters": list(c.drafters)}}
-                     for c in cards]}
+    return {"object": "list", "data": [model_object(c) for c in cards]}

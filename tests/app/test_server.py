@@ -112,6 +112,17 @@ def test_models_lists_the_served_model(client: openai.OpenAI, card: ModelCard) -
     assert ext(models[0])["context_window"] == 2048
 
 
+def test_models_retrieve_one(client: openai.OpenAI, card: ModelCard) -> None:
+    """`GET /v1/models/{id}`: the served model's object, as listed; an unknown id is a 404."""
+    model = client.models.retrieve(card.id)
+    assert model.model_dump() == client.models.list().data[0].model_dump()
+    assert (model.id, model.object, model.owned_by) == (card.id, "model", "understudy")
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("gpt-9")
+    assert err.value.body["code"] == "model_not_found"
+    assert "'gpt-9' is not served here" in err.value.body["message"]
+
+
 def test_chat_usage_and_stream_match(client: openai.OpenAI, card: ModelCard) -> None:
     ids = card.tokenizer.encode_chat(HELLO)
     reply = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=12,
@@ -147,6 +158,54 @@ def test_completions_raw_prompt_no_template(client: openai.OpenAI, card: ModelCa
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=card.id, prompt=prompt, max_tokens=8, temperature=0, stream=True) if c.choices)
     assert streamed == reply.choices[0].text
+
+
+def test_text_parts_are_joined(client: openai.OpenAI, card: ModelCard) -> None:
+    """OpenAI's list-of-parts content, all text: read as the parts joined."""
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " world"}]
+
+    def reply(content) -> str:
+        return client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": content}], max_tokens=6,
+            temperature=0).choices[0].message.content
+
+    assert reply(parts) == reply("Hello world")
+
+
+def test_a_reply_cut_mid_character_sends_no_replacement_mark(client: openai.OpenAI,
+                                                             card: ModelCard) -> None:
+    """max_tokens ending inside a multi-byte character: the incomplete character is left
+    out (never sent as U+FFFD), streamed and whole alike. The tiny byte-level model writes
+    the odd multi-byte character; a longer reply with the same seed shows where one is cut
+    (sampling at a position depends on the seed and the position only)."""
+    mark, decode = "\ufffd", card.tokenizer.decode
+
+    def chat(n: int, seed: int, **kw):
+        return client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": "the cat sat on the mat"}],
+            max_tokens=n, temperature=1.0, seed=seed, extra_body={"drafter": "none"}, **kw)
+
+    def cut(seed: int) -> tuple[int, str] | None:
+        """A token count that ends inside a character the next token completes."""
+        _, chunks, _ = stream_text(chat(80, seed, stream=True))
+        ids = [t["id"] for c in chunks for t in ext(c).get("tokens", [])]
+        for n in range(1, len(ids)):
+            text, longer = decode(ids[:n]), decode(ids[:n + 1])
+            end = len(text) - 1
+            if (text.endswith(mark) and not text[:end].endswith(mark)
+                    and longer[:end] == text[:end] and len(longer) > end
+                    and longer[end] != mark and not longer[end].isascii()):
+                return n, text[:end]
+        return None
+
+    seed, (n, expected) = next((seed, found) for seed in range(16)
+                               if (found := cut(seed)) is not None)
+    whole = chat(n, seed)
+    assert whole.usage.completion_tokens == n
+    assert whole.choices[0].message.content == expected
+    streamed, _, tokens = stream_text(chat(n, seed, stream=True))
+    assert streamed == expected
+    assert "".join(tokens) == expected  # the extension's token texts say the same
 
 
 def test_stop_string_ends_the_reply(client: openai.OpenAI, card: ModelCard) -> None:
@@ -186,6 +245,21 @@ def test_seed_determinism_and_speculation_is_lossless(client: openai.OpenAI,
         text, stats = run(drafter)
         assert text == plain, drafter
         assert stats["drafted"] > 0, drafter  # speculation really ran
+
+
+def test_without_a_seed_each_request_samples_anew(client: openai.OpenAI,
+                                                  card: ModelCard) -> None:
+    """OpenAI's semantics: no seed, a fresh one per request (a client's "regenerate" gets
+    another reply); the same seed, the same reply; speculation lossless under either."""
+    def run(drafter: str = "none", **kw) -> str:
+        return client.chat.completions.create(
+            model=card.id, messages=[{"role": "user", "content": "the cat sat on the mat"}],
+            max_tokens=16, temperature=1.0, extra_body={"drafter": drafter, "draft_k": 3},
+            **kw).choices[0].message.content
+
+    unseeded = {run() for _ in range(3)}
+    assert len(unseeded) == 3
+    assert run(seed=7) == run(seed=7) == run("model", seed=7)
 
 
 def test_sampling_extensions_are_honoured_and_stay_lossless(client: openai.OpenAI,
@@ -323,6 +397,14 @@ def test_off_loopback_needs_a_key(capsys: pytest.CaptureFixture[str]) -> None:
     assert err.startswith("error: host 0.0.0.0") and "--api-key" in err
 
 
+@pytest.mark.parametrize("port", ["99999", "65536", "-1"])
+def test_serve_port_out_of_range_is_an_argument_error(port: str,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:
+    assert main(["serve", "--port", port]) == 1
+    assert capsys.readouterr().err == f"error: --port must be 0-65535, got {port}\n"
+
+
 def test_serve_command_serves_then_stops_cleanly_on_ctrl_c(engine) -> None:
     """`understudy serve` as a user runs it: prints the address, logs each request (never the
     key), and Ctrl-C ends it with status 0 (MLX's thread-local buffers freed on its thread)."""
@@ -418,6 +500,20 @@ BAD_INPUT = [
     ("continuing a user message", "/v1/chat/completions",
      _chat(continue_final_message=True), 400, "continue_final_message"),
     ("logprobs refused", "/v1/chat/completions", _chat(logprobs=True), 400, "logprobs"),
+    ("JSON mode refused", "/v1/chat/completions",
+     _chat(response_format={"type": "json_object"}), 400, "response_format"),
+    ("structured output refused", "/v1/chat/completions",
+     _chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400,
+     "response_format"),
+    ("image part refused", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [
+         {"type": "text", "text": "what is this?"},
+         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]), 400,
+     "messages.0.content"),
+    ("several prompts", "/v1/completions",
+     b'{"model": "MODEL", "prompt": ["a", "b"]}', 400, "prompt"),
+    ("empty prompt list", "/v1/completions", b'{"model": "MODEL", "prompt": []}', 422,
+     "prompt"),
     ("unknown model", "/v1/chat/completions", _chat(model="gpt-9"), 404, "model"),
     ("prompt longer than context", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": "hello " * 2100}]), 400, "messages"),
@@ -450,6 +546,47 @@ def test_bad_input_gets_an_error_object(serve, card: ModelCard, name: str, path:
     ok, good = raw(server, "POST", "/v1/chat/completions",
                    _chat(model=card.id, max_tokens=1), {"Content-Type": "application/json"})
     assert ok == 200 and good["usage"]["completion_tokens"] == 1
+
+
+ERROR_MESSAGES = [
+    # (name, path, body, status, the message) for errors whose cause a client must read
+    ("several prompts", "/v1/completions", b'{"model": "MODEL", "prompt": ["a", "b"]}', 400,
+     "prompt: only one prompt per request is supported, got 2: send one request per prompt"),
+    ("five stops, completion", "/v1/completions",
+     b'{"model": "MODEL", "prompt": "a", "stop": ["a","b","c","d","e"]}', 422,
+     "stop: at most 4 stop strings are supported, got 5"),
+    ("five stops, chat", "/v1/chat/completions", _chat(stop=["a", "b", "c", "d", "e"]), 422,
+     "stop: at most 4 stop strings are supported, got 5"),
+    ("a stop not a string", "/v1/chat/completions", _chat(stop=["a", 5]), 422,
+     "stop.1: Input should be a valid string"),
+    ("image part", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+     400, "messages.0.content: only text parts are supported, got a part of type 'image_url'"),
+    ("text part without text", "/v1/chat/completions",
+     _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 422,
+     "messages.0.content.0.text: Field required"),
+    ("JSON mode", "/v1/chat/completions", _chat(response_format={"type": "json_object"}), 400,
+     "response_format (JSON mode, structured outputs) is not supported by this server: "
+     "replies are plain text"),
+]
+
+
+@pytest.mark.parametrize(("name", "path", "body", "status", "message"), ERROR_MESSAGES,
+                         ids=[row[0] for row in ERROR_MESSAGES])
+def test_error_messages_name_the_cause(serve, card: ModelCard, name: str, path: str,
+                                       body: bytes, status: int, message: str) -> None:
+    server = _limited_server(serve)
+    body = body.replace(b"MODEL", card.id.encode())
+    got, reply = raw(server, "POST", path, body, {"Content-Type": "application/json"})
+    assert (got, reply["error"]["message"]) == (status, message)
+
+
+def test_a_plain_text_response_format_is_accepted(client: openai.OpenAI,
+                                                  card: ModelCard) -> None:
+    """{"type": "text"} asks for what every reply here is: no reason to refuse it."""
+    reply = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=3,
+                                           response_format={"type": "text"})
+    assert reply.usage.completion_tokens == 3
 
 
 def test_a_drafter_the_model_lacks_says_why(serve, card: ModelCard) -> None:
@@ -526,7 +663,7 @@ def test_a_trained_head_is_served_and_auto_may_use_it(tmp_path: Path) -> None:
             out = []
             for name in ("none", drafter):
                 reply = client.chat.completions.create(
-                    model=card.id, messages=HELLO, max_tokens=24,
+                    model=card.id, messages=HELLO, max_tokens=24, seed=1,
                     extra_body={"drafter": name, "draft_k": 2})
                 out.append((reply.choices[0].message.content, ext(reply)))
             return card, out

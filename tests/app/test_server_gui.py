@@ -39,6 +39,16 @@ def test_server_menu_serves_through_the_app_worker(qtbot, make_gui, tiny_pair,
     record = panel.log_model.record(0)
     assert (record.endpoint, record.completion_tokens, record.finish) == ("chat", 6, "length")
 
+    def sample(**kw) -> str:
+        return client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "the cat sat on the mat"}],
+            max_tokens=12, temperature=1.0, **kw).choices[0].message.content
+
+    # as under `understudy serve`: no seed, each request samples anew (a client's
+    # "regenerate" gets another reply); a seed makes it repeatable
+    assert sample() != sample()
+    assert sample(seed=4) == sample(seed=4)
+
     # the chat still works with the server on the same worker
     gui.controller.send("Hi there")
     qtbot.waitUntil(lambda: not gui.controller.generating, timeout=TIMEOUT)
