@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--temperature", type=float, default=0.0)
     bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    bench.add_argument("--limit", type=int, default=None,
+                       help="use only the first N prompts (N >= 1; default: all)")
     bench.add_argument("--category", action="append", default=[],
                        help="only prompts of this category (repeatable)")
     bench.add_argument("--compare-mlx-lm", action="store_true",

@@ -438,3 +438,31 @@ def test_bench_names_the_categories_when_none_match(tiny: Path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no prompts left" in err
     assert "categories: chat, code-editing, code-generation" in err
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_bench_limit_below_one_is_refused(tiny: Path, capsys: pytest.CaptureFixture[str],
+                                          limit: str) -> None:
+    """Before: --limit 0 ran every prompt and --limit -1 all but the last."""
+    assert main(["bench", "--model", str(tiny), "--limit", limit, "--max-tokens", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"error: --limit must be at least 1, got {limit}\n" and out == ""
+
+
+def test_bench_report_path_is_checked_before_the_run(tiny: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder (or a missing folder) as --json is refused at once: before, the whole run
+    went by and its results were lost when the report could not be written."""
+    args = ["bench", "--model", str(tiny), "--limit", "1", "--max-tokens", "2"]
+    assert main([*args, "--json", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"error: --json {tmp_path}: is a folder; give a file name for the report\n"
+    assert out == ""  # no table: nothing ran
+    missing = tmp_path / "no" / "report.json"
+    assert main([*args, "--json", str(missing)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"error: --json {missing}: folder {missing.parent} does not exist\n"
+    assert out == ""
+    report = tmp_path / "report.json"
+    assert main([*args, "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["overall"]["plain_tps"] > 0
