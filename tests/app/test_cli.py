@@ -404,6 +404,20 @@ def test_corrupt_config_is_one_line(tiny: Path, tmp_path: Path) -> None:
     assert_one_line_error(proc, "config.json", "invalid JSON")
 
 
+def test_config_that_does_not_match_the_weights_is_one_line(tmp_path: Path) -> None:
+    """A hidden_size that does not match 4-bit weights: before, MLX's quantize refused the
+    group size it implied, with a traceback."""
+    folder = write_tiny_model(tmp_path / "q4", quantize=(32, 4))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 56}))
+    proc = cli("generate", "--model", str(folder), "--prompt", "Hi", data_dir=tmp_path)
+    assert_one_line_error(proc, f"{folder}/config.json: hidden_size is 56 but the weights "
+                          "have 64")
+    proc = cli("models", "import", str(folder), data_dir=tmp_path)
+    assert_one_line_error(proc, "hidden_size is 56")
+    assert proc.stdout == "" and not (tmp_path / "models" / "q4").exists()
+
+
 def test_closed_stdout_is_not_a_traceback(tiny: Path, tmp_path: Path) -> None:
     """`understudy generate ... | head`: the reader goes away; exit quietly (141, as a shell
     reports SIGPIPE) instead of printing a BrokenPipeError traceback."""
@@ -637,3 +651,23 @@ def test_bench_report_path_is_checked_before_the_run(tiny: Path, tmp_path: Path,
     report = tmp_path / "report.json"
     assert main([*args, "--json", str(report)]) == 0
     assert json.loads(report.read_text())["overall"]["plain_tps"] > 0
+
+
+def test_bench_keeps_a_fixed_seed_shared_by_its_modes(tiny: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Unlike generate's, bench's default seed stays 0: plain and spec sample with the
+    same seed (the coupled rule then writes the same text), and two runs agree."""
+    from app.cli.main import build_parser
+
+    assert build_parser().parse_args(["bench"]).seed == 0
+    assert build_parser().parse_args(["generate"]).seed is None
+    counts = []
+    for run in range(2):
+        report = tmp_path / f"report{run}.json"
+        assert main(["bench", "--model", str(tiny), "--temperature", "1", "--limit", "2",
+                     "--max-tokens", "8", "--json", str(report)]) == 0
+        rows = json.loads(report.read_text())["prompts"]
+        assert [row["identical"] for row in rows] == [True, True]  # one seed for both modes
+        counts.append([(row["plain_tokens"], row["spec_tokens"]) for row in rows])
+    assert counts[0] == counts[1]
+    capsys.readouterr()
