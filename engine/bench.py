@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -330,22 +331,41 @@ def describe_padding(costs: CostModel) -> str | None:
     return "passes padded where a wider one costs less: " + ", ".join(parts)
 
 
+def check_report_path(path: Path) -> None:
+    """Refuse a report path that cannot be written before the run, not after it: a run
+    takes minutes, and a failed write at the end loses its results."""
+    if path.is_dir():
+        raise EngineError(f"--json {path}: is a folder; give a file name for the report")
+    folder = path.parent
+    if not folder.is_dir():
+        raise EngineError(f"--json {path}: folder {folder} does not exist")
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise EngineError(f"--json {path}: not writable")
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """`understudy bench`: print a table, optionally write the JSON report."""
     from engine.loading import load_model
 
+    if args.limit is not None and args.limit < 1:
+        raise EngineError(f"--limit must be at least 1, got {args.limit}")
+    if args.json is not None:
+        check_report_path(args.json)
     prompts = load_prompts(args.prompts or DEFAULT_PROMPTS)
     categories = sorted({p.category for p in prompts})
     if args.category:
         prompts = [p for p in prompts if p.category in args.category]
-    if args.limit:
+    if args.limit is not None:
         prompts = prompts[: args.limit]
     if not prompts:
         raise EngineError("no prompts left after --category/--limit (categories: "
                           f"{', '.join(categories)})")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     drafter = args.drafter
-    k = None if args.k == "auto" else int(args.k)
+    try:
+        k = None if args.k == "auto" else int(args.k)
+    except ValueError:
+        raise EngineError(f"--k must be 'auto' or a number, got {args.k!r}") from None
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
     options = GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, drafter=drafter,
                               k=k, accept=args.accept, tree=args.tree)

@@ -73,6 +73,8 @@ class GenerateOptions:
                 raise EngineError(f"{name} must be an integer of at least 1, got {value!r}")
         if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
             raise EngineError(f"stop must be a tuple of strings, got {self.stop!r}")
+        if not all(self.stop):  # "" would stop everywhere; the server refuses it too
+            raise EngineError("stop: stop strings must not be empty")
         if self.drafter not in DRAFTERS:
             raise EngineError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if self.accept not in ACCEPT_RULES:

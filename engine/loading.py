@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,6 +225,32 @@ def _model_args(folder: Path, config: dict[str, Any], tensors: dict[str, TensorI
         raise type(e)(f"{folder}/{e}") from e
 
 
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def _check_sizes(folder: Path, args: ModelArgs, tensors: dict[str, TensorInfo]) -> None:
+    """config.json's hidden_size and layer count against the weights, before a model is
+    built from them.
+
+    Why: every layer's shape follows from these two, so a wrong one otherwise surfaces as
+    an odd shape deep in some layer, a list of "unexpected" tensors, or MLX refusing a
+    quantization group size the wrong width implies; naming the field says what to fix.
+    The final norm shows the width whether or not the other weights are quantized.
+    """
+    where = folder / "config.json"
+    norm = tensors.get("model.norm.weight")
+    if norm is not None and len(norm.shape) == 1 and norm.shape[0] != args.hidden_size:
+        raise ModelFormatError(
+            f"{where}: hidden_size is {args.hidden_size} but the weights have "
+            f"{norm.shape[0]} ({norm.file.name}: model.norm.weight {list(norm.shape)}); "
+            "config.json does not match the weights")
+    layers = {int(m.group(1)) for k in tensors if (m := _LAYER.match(k))}
+    if layers and max(layers) + 1 != args.num_hidden_layers:
+        raise ModelFormatError(
+            f"{where}: num_hidden_layers is {args.num_hidden_layers} but the weights hold "
+            f"{max(layers) + 1} layers; config.json does not match the weights")
+
+
 def _quant_plan(
     model: Model, block: dict[str, Any] | None, tensors: dict[str, TensorInfo]
 ) -> dict[str, QuantSpec]:
@@ -238,8 +265,41 @@ def _quant_plan(
     return plan
 
 
+def _quantize(folder: Path, model: Model, tensors: dict[str, TensorInfo],
+              quant: dict[str, QuantSpec]) -> None:
+    """Swap in quantized layers as `quant` says, after checking each stored packed weight
+    fits its layer: a width config.json gets wrong would otherwise reach `nn.quantize` as a
+    group size it refuses with a ValueError."""
+    modules = dict(model.named_modules())
+    in_order = [name.rpartition(".")[0] for name, _ in tree_flatten(model.parameters())]
+    for path in (p for p in in_order if p in quant):  # the first layer's mismatch first
+        spec = quant[path]
+        out_dims = tuple(modules[path].weight.shape[:-1])
+        in_dims = modules[path].weight.shape[-1]
+        info = tensors.get(f"{path}.weight")
+        if info is None:
+            continue  # named as missing by `_check_against_model`
+        how = f"quantized {spec.bits}-bit, group {spec.group_size}"
+        if in_dims % spec.group_size or (in_dims * spec.bits) % 32:
+            raise ModelFormatError(
+                f"{info.file}: tensor '{path}.weight' has shape {list(info.shape)} but the "
+                f"model's layer takes {in_dims} inputs, which do not pack as {how}; "
+                "config.json does not match the weights")
+        packed = [*out_dims, in_dims * spec.bits // 32]
+        if list(info.shape) != packed:
+            raise ModelFormatError(
+                f"{info.file}: tensor '{path}.weight' has shape {list(info.shape)} but the "
+                f"model expects {packed} ({how}); config.json does not match the weights")
+    try:
+        nn.quantize(model, class_predicate=lambda p, _m: quant[p].as_dict() if p in quant
+                    else False)
+    except ValueError as e:  # e.g. a group size this MLX version does not support
+        raise ModelFormatError(f"{folder}: cannot hold the weights as quantized ({e})") from e
+
+
 def _check_against_model(
-    folder: Path, model: Model, tensors: dict[str, TensorInfo], quant: dict[str, QuantSpec]
+    folder: Path, model: Model, tensors: dict[str, TensorInfo], quant: dict[str, QuantSpec],
+    has_block: bool,
 ) -> None:
     """Every expected parameter present with the right shape and kind; nothing unexpected."""
     expected = dict(tree_flatten(model.parameters()))
@@ -251,7 +311,7 @@ def _check_against_model(
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
         hint = ""
-        if any(k.endswith(".scales") for k in unexpected):
+        if not has_block and any(k.endswith(".scales") for k in unexpected):
             hint = " (quantized weights, but config.json has no 'quantization' block?)"
         raise ModelFormatError(
             f"{folder}: checkpoint tensors the {model.model_type} model does not have: "
@@ -317,12 +377,12 @@ def _check_checkpoint(folder: Path, backend: str) -> _Checked:
         tensors = {k: v for k, v in tensors.items() if not k.startswith("lm_head.")}
     # MLX arrays are lazy: the random initial parameters of this model are never computed
     # unless it is the one we keep, so building it for the comparison costs no memory.
+    _check_sizes(folder, args, tensors)
     stored = Model(args)
     quant = _quant_plan(stored, block, tensors)
     if quant:
-        nn.quantize(stored, class_predicate=lambda p, _m: quant[p].as_dict() if p in quant
-                    else False)
-    _check_against_model(folder, stored, tensors, quant)
+        _quantize(folder, stored, tensors, quant)
+    _check_against_model(folder, stored, tensors, quant, block is not None)
     plan = plan_memory(tensors, quant, dequantize=not holds_quantized(backend))
     return _Checked(folder, config, args, tensors, quant, stored, plan)
 

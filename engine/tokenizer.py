@@ -317,17 +317,28 @@ class Tokenizer:
         return ids
 
 
+# The roles a conversation may hold, as the OpenAI API names them (the server takes the
+# same four); "developer" is its newer name for a system message.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+
+
 def check_messages(messages: Any, where: str = "messages") -> tuple[dict[str, str], ...]:
     """A conversation as every front end takes it (a request, a --messages file, a bench or
     training prompts file), checked once here: a non-empty list of {role, content} dicts
-    with string values. Returns them as plain dicts; errors name `where` and the turn."""
+    with string values and a role from `CHAT_ROLES`. Returns them as plain dicts, a
+    "developer" message as "system" (what chat templates know); errors name `where` and
+    the turn."""
     if not isinstance(messages, list) or not messages:
         raise PromptError(f"{where}: expected a non-empty list of {{role, content}} dicts")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise PromptError(f"{where}[{i}]: expected a dict with a 'role' string "
                               "(a list of {role, content} dicts)")
+        if m["role"] not in CHAT_ROLES:
+            raise PromptError(f"{where}[{i}]: role {m['role']!r} is not one of "
+                              f"{', '.join(CHAT_ROLES)}")
         if not isinstance(m.get("content"), str):
             raise PromptError(f"{where}[{i}]: 'content' must be a string "
                               "(a list of {role, content} dicts)")
-    return tuple({"role": m["role"], "content": m["content"]} for m in messages)
+    return tuple({"role": "system" if m["role"] == "developer" else m["role"],
+                  "content": m["content"]} for m in messages)

@@ -19,6 +19,38 @@ from app.cli.launcher import ensure_openblas
 from engine.choices import ACCEPT_RULES, DRAFTERS, TREE_MODES
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Each option's help line ends with its default, as `ArgumentDefaultsHelpFormatter`
+    does, except where there is none to show (None, off, an empty list) or the line
+    already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = (action.help or "").strip()
+        default = action.default
+        if (not action.option_strings or "default" in text or default is None
+                or default is False or default == [] or default is argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose command parsers, to any depth, format help with
+    `HelpFormatter` (`add_subparsers` makes them of the parent's class)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        # an option added without a help line still shows its default (argparse prints
+        # nothing after an option whose help is empty)
+        if action.help is None and action.option_strings:
+            shown = HelpFormatter("")._get_help_string(action)
+            action.help = shown or None
+        return action
+
+
 def _add_model_args(p: argparse.ArgumentParser,
                     drafter_help: str = "speculative drafter (default: auto, the drafters "
                     "weighed by their measured costs and acceptance; none = plain decoding)",
@@ -31,7 +63,8 @@ def _add_model_args(p: argparse.ArgumentParser,
     p.add_argument("--drafter", default="auto",
                    choices=DRAFTERS,
                    help=drafter_help)
-    p.add_argument("--k", default="auto", help="draft length: 'auto' (adaptive) or a number")
+    p.add_argument("--k", default="auto",
+                   help="draft length: 'auto' (adaptive) or a number of tokens")
     p.add_argument("--accept", default="coupled", choices=ACCEPT_RULES,
                    help="lossless acceptance rule")
     p.add_argument("--tree", default="auto", choices=TREE_MODES,
@@ -40,19 +73,30 @@ def _add_model_args(p: argparse.ArgumentParser,
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=512)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--system", default=None, metavar="TEXT", help="system prompt (default: none)")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="most tokens to write in one reply")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 picks the most likely token (greedy)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the K most likely tokens only; 0 = no limit")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probabilities add up "
+                   "to P (nucleus sampling); 1 = no limit")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than P times the most likely one; 0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="make tokens already in the text less likely; 1 = off")
+    p.add_argument("--seed", type=int, default=None,
+                   help="random seed for sampling at temperature > 0 (default: a new "
+                   "random seed each run, reported in the stats so --seed N repeats the "
+                   "run)")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop the reply where this text appears (repeatable; not empty)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="understudy",
         description="Local LLM chat with visible speculative decoding. "
         "Run without arguments to open the app.",
@@ -72,9 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("text", nargs="?", metavar="PROMPT",
                      help="the user message (read from standard input when piped and none "
                      "is given)")
-    src.add_argument("--prompt", help="the user message")
-    src.add_argument("--messages", type=Path,
-                     help="JSON file: a list of {role, content} messages")
+    src.add_argument("--prompt", metavar="TEXT", help="the user message")
+    src.add_argument("--messages", type=Path, metavar="FILE",
+                     help="JSON file: a list of {role, content} messages (roles: "
+                     "system, developer, user, assistant)")
     _add_sampling_args(gen)
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object at the end instead of streaming text")
@@ -87,26 +132,35 @@ def build_parser() -> argparse.ArgumentParser:
                       "`train-drafter --data history` learns from this chat (off by default)")
 
     imp = sub.add_parser("import-gguf", help="convert a llama GGUF into an HF-style folder")
-    imp.add_argument("file", type=Path)
-    imp.add_argument("dest", type=Path)
+    imp.add_argument("file", type=Path, help="the .gguf file to convert")
+    imp.add_argument("dest", type=Path,
+                     help="the model folder to write (must not exist yet); then use it "
+                     "with --model DEST")
 
     bench = sub.add_parser("bench", help="measure plain vs speculative decoding")
     _add_model_args(bench, "the spec mode's drafter (default: auto, the drafters weighed "
                     "by their measured costs and acceptance)")
-    bench.add_argument("--prompts", type=Path, default=None,
+    bench.add_argument("--prompts", type=Path, default=None, metavar="FILE",
                        help="JSON lines {id, category, messages}; default: the bundled set")
     bench.add_argument("--modes", default="plain,spec",
                        help="plain,spec; add 'chain' (spec with --tree off) to measure draft "
                        "trees against chains in the same run")
-    bench.add_argument("--max-tokens", type=int, default=128)
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
+    bench.add_argument("--max-tokens", type=int, default=128,
+                       help="most tokens to write per reply")
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="sampling temperature; 0 = greedy")
+    # fixed, unlike generate's: every mode samples with the same seed, and runs repeat
+    bench.add_argument("--seed", type=int, default=0,
+                       help="random seed for sampling at temperature > 0, the same for "
+                       "every mode")
+    bench.add_argument("--limit", type=int, default=None,
+                       help="use only the first N prompts (N >= 1; default: all)")
     bench.add_argument("--category", action="append", default=[],
                        help="only prompts of this category (repeatable)")
     bench.add_argument("--compare-mlx-lm", action="store_true",
                        help="also time mlx-lm's plain decoding of the same model (if installed)")
-    bench.add_argument("--json", type=Path, default=None, help="write the report here")
+    bench.add_argument("--json", type=Path, default=None, metavar="PATH",
+                       help="also write the report to this JSON file (checked before the run)")
 
     doctor = sub.add_parser("doctor", help="check this machine: backend, BLAS, Metal kernels")
     doctor.add_argument("--recheck", action="store_true",
@@ -141,11 +195,53 @@ def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
         if isinstance(data, dict) and "messages" in data:
             data = data["messages"]
         messages = list(check_messages(data, str(args.messages)))
+        if args.system and messages[0]["role"] == "system":
+            raise PromptError(f"--system: {args.messages} already starts with a system "
+                              "message; give the system prompt in one place")
     else:
         messages = [{"role": "user", "content": _prompt_text(args)}]
-    if args.system and not (messages and messages[0]["role"] == "system"):
+    if args.system:
         messages.insert(0, {"role": "system", "content": args.system})
     return messages
+
+
+def _message_source(args: argparse.Namespace) -> str | None:
+    """Where the message came from when it is not standard input (None when it is)."""
+    if getattr(args, "messages", None) is not None:
+        return "--messages"
+    if args.prompt is not None:
+        return "--prompt"
+    return "the argument" if getattr(args, "text", None) is not None else None
+
+
+def _stdin_waiting() -> bool:
+    """Whether standard input holds text nobody will read, found without reading it
+    (reading would take it from a script's loop that feeds this command's caller)."""
+    import fcntl
+    import stat
+    import termios
+
+    try:
+        fd = sys.stdin.fileno()
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISREG(mode):
+            return os.fstat(fd).st_size > os.lseek(fd, 0, os.SEEK_CUR)
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            waiting = bytearray(4)
+            fcntl.ioctl(fd, termios.FIONREAD, waiting)
+            return int.from_bytes(waiting, sys.byteorder) > 0
+    except (AttributeError, OSError, ValueError):  # no stdin, or one that cannot say
+        pass
+    return False
+
+
+def _warn_unread_stdin(args: argparse.Namespace) -> None:
+    """`echo text | understudy generate --messages chat.json`: the piped text is not part
+    of the conversation; say so rather than drop it silently."""
+    source = _message_source(args)
+    if source is not None and _stdin_waiting():
+        print(f"warning: standard input is not read: the message comes from {source}",
+              file=sys.stderr)
 
 
 def _prompt_text(args: argparse.Namespace) -> str:
@@ -164,6 +260,19 @@ def _prompt_text(args: argparse.Namespace) -> str:
                       "--messages FILE.json or on standard input")
 
 
+def _seed(args: argparse.Namespace) -> int:
+    """--seed, or a fresh random one when sampling (temperature > 0) without it, as
+    llama.cpp and the OpenAI API do: two runs then differ, and the stats report the seed
+    so `--seed N` repeats a run. Greedy decoding uses no randomness (0)."""
+    if args.seed is not None:
+        return args.seed
+    if args.temperature > 0:
+        import secrets
+
+        return secrets.randbelow(2**31)
+    return 0
+
+
 def _options(args: argparse.Namespace):
     from engine.decode import GenerateOptions
     from engine.errors import EngineError
@@ -178,7 +287,7 @@ def _options(args: argparse.Namespace):
             raise EngineError(f"--k must be 'auto' or a number, got {args.k!r}") from None
     sampling = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, seed=args.seed,
+        repetition_penalty=args.repetition_penalty, seed=_seed(args),
     )
     return GenerateOptions(max_tokens=args.max_tokens, sampling=sampling, stop=tuple(args.stop),
                            drafter=args.drafter, k=k, accept=args.accept, tree=args.tree)
@@ -240,23 +349,31 @@ def _dropped(stats) -> str:
     return f" · {note}" if note else ""
 
 
+def _seed_note(options) -> str:
+    """The stats line's seed, where one was sampled with (so the run can be repeated)."""
+    sampling = options.sampling
+    return f" · seed {sampling.seed}" if sampling.temperature > 0 else ""
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     messages = _messages(args)
     options = _options(args)
     session = _session(args)
+    _warn_unread_stdin(args)  # after loading: by now a pipe's writer has written
     finished, steps = _stream(session, messages, options, None if args.json else sys.stdout)
     if args.json:
         tokens = [{"id": t.id, "text": t.text, "kind": t.kind.value}
                   for s in steps for t in s.tokens if t.kind.committed]
-        print(json.dumps({"text": finished.text, "tokens": tokens,
-                          "stats": finished.stats.as_dict()}, ensure_ascii=False))
+        stats = {**finished.stats.as_dict(), "seed": options.sampling.seed}
+        print(json.dumps({"text": finished.text, "tokens": tokens, "stats": stats},
+                         ensure_ascii=False))
     else:
         s = finished.stats
         sys.stdout.write("\n")
         print(f"[{s.generated_tokens} tokens · {s.decode_tps:.1f} tok/s · prompt "
               f"{s.prompt_tps:.1f} tok/s · {s.tau:.2f} tokens/pass · "
-              f"{100 * s.acceptance:.0f}% accepted · {s.finish_reason}{_dropped(s)}]",
-              file=sys.stderr)
+              f"{100 * s.acceptance:.0f}% accepted · {s.finish_reason}{_dropped(s)}"
+              f"{_seed_note(options)}]", file=sys.stderr)
     return 0
 
 
@@ -277,27 +394,48 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 QUIT_COMMANDS = ("/bye", "/quit", "/exit")
+HELP_COMMANDS = ("/help", "/?")
+CHAT_COMMANDS = (*QUIT_COMMANDS, *HELP_COMMANDS, "/continue", "/reset")
 FENCE = '"""'
 CHAT_HELP = f"""commands:
   /continue           write on from the end of the last reply (one cut at --max-tokens)
   /reset              start a new conversation (the system prompt stays)
   /bye, /quit, /exit  leave (so does Ctrl-D)
   /help               this list
+  //word              send "/word" as a message (a line of one /word is read as a command)
   {FENCE}                 on a line of its own, starts a message of several lines (pasted
                       code, blank lines and all); another {FENCE} line ends it
 Ctrl-C stops a reply as it is written; what it wrote stays (/continue goes on from it)."""
 
 
-def _read_message() -> str:
-    """One message from the terminal: a line, or the lines between two lines holding just
-    triple quotes, so pasted code keeps its blank lines instead of becoming many turns."""
+def _read_message() -> tuple[str, bool]:
+    """One message from the terminal and whether it is literal text: a line, or the lines
+    between two lines holding just triple quotes (literal: never a command), so pasted
+    code keeps its blank lines instead of becoming many turns."""
     line = input("you> ")
     if line.strip() != FENCE:
-        return line
+        return line, False
     lines: list[str] = []
     while (more := input("... ")).strip() != FENCE:
         lines.append(more)
-    return "\n".join(lines)
+    return "\n".join(lines), True
+
+
+def _as_command(line: str) -> tuple[str | None, str]:
+    """(command, message) for a typed line: a known command, or the message to send.
+
+    A line of one word starting with "/" and no other "/" is a command, so a typo (/exti)
+    is refused rather than sent to the model; a longer line ("/usr/bin is…") or a path
+    (/usr/bin/env) is a message, and "//word" sends "/word". An unknown command comes back
+    as the command, for the caller to refuse."""
+    word = line.strip()
+    if not word.startswith("/") or len(word.split()) != 1:
+        return None, line
+    if word.startswith("//"):
+        return None, word[1:]
+    if word in CHAT_COMMANDS or "/" not in word[1:]:
+        return word, line
+    return None, line
 
 
 def _chat_loop(args: argparse.Namespace, session, options) -> int:
@@ -306,24 +444,32 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
         messages.append({"role": "system", "content": args.system})
     print('Understudy chat — /bye or Ctrl-D to quit, /reset to start over, """ for a '
           "message of several lines, /help for more.", file=sys.stderr)
+    if options.sampling.temperature > 0:
+        seed = options.sampling.seed
+        print(f"sampling at temperature {options.sampling.temperature:g} with seed {seed} "
+              f"(--seed {seed} repeats this chat)", file=sys.stderr)
     from engine.errors import EngineError
 
     while True:
         try:
-            line = _read_message()
+            line, literal = _read_message()
         except (EOFError, KeyboardInterrupt):
             print(file=sys.stderr)
             return 0
-        command = line.strip()
-        if not command:
+        if not line.strip():
             continue
+        command, line = (None, line) if literal else _as_command(line)
         if command in QUIT_COMMANDS:
             return 0
         if command == "/reset":
             messages = messages[:1] if args.system else []
             continue
-        if command in ("/help", "/?"):
+        if command in HELP_COMMANDS:
             print(CHAT_HELP, file=sys.stderr)
+            continue
+        if command is not None and command != "/continue":
+            print(f"unknown command {command}, see /help (to send it as a message, write "
+                  f"/{command})", file=sys.stderr)
             continue
         going_on = command == "/continue"
         if going_on and not (messages and messages[-1]["role"] == "assistant"

@@ -26,12 +26,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sub.add_parser("list", help="models on this computer (demo, downloads, imports)")
 
     s = sub.add_parser("search", help="search the Hugging Face hub")
-    s.add_argument("query")
+    s.add_argument("query", help="words to look for in model names")
     who = s.add_mutually_exclusive_group()
     who.add_argument("--author", default=None,
                      help="only this org/user, e.g. mlx-community (default: every author)")
     who.add_argument("--all-authors", action="store_true", help=argparse.SUPPRESS)  # the default now
-    s.add_argument("--limit", type=int, default=20)
+    s.add_argument("--limit", type=int, default=20, help="most results to show (default 20)")
 
     d = sub.add_parser("download", help="download a hub repo into the Hugging Face cache")
     d.add_argument("repo", help="org/name")
@@ -44,7 +44,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     r.add_argument("-y", "--yes", action="store_true", help="do not ask for confirmation")
 
     i = sub.add_parser("import", help="add a local model folder or GGUF file")
-    i.add_argument("path", type=Path)
+    i.add_argument("path", type=Path,
+                   help="a model folder (config.json, *.safetensors, tokenizer.json) or a "
+                   ".gguf file; it is checked as the loader would, then copied")
     i.add_argument("--name", default=None, help="library name (default: from the file name)")
 
     sub.add_parser("pairs", help="recommended target + draft pairs")

@@ -22,7 +22,8 @@ def add_parser(sub) -> None:
     p.add_argument("--data", default="builtin",
                    help="builtin (bundled prompts), history (your chats), or a JSON-lines "
                    "file of {prompt} / {messages}")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed for the head's initial weights and the order of the data")
     p.add_argument("--hot-vocab", type=int, default=8192,
                    help="size of the head's output vocabulary (the most used tokens)")
     p.add_argument("--max-steps", type=int, default=None, help=argparse.SUPPRESS)

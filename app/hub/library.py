@@ -194,6 +194,18 @@ def _folder_problem(folder: Path) -> str | None:
     return None
 
 
+def _check_loads(folder: Path) -> None:
+    """The loader's own checks, short of reading the weights: config.json against the
+    safetensors headers (sizes, shapes, a truncated file) and the tokenizer. Why: an import
+    that would not load is refused now, with the loader's message, instead of being listed
+    as ready and failing when first used."""
+    from engine.loading import inspect_weights
+    from engine.tokenizer import Tokenizer
+
+    inspect_weights(folder)
+    Tokenizer.from_folder(folder)
+
+
 def import_model(src: Path, name: str | None = None,
                  on_progress: Callable[[int, int], None] | None = None) -> LocalModel:
     """Add a local model folder or GGUF file to the library (see the module docstring).
@@ -201,14 +213,22 @@ def import_model(src: Path, name: str | None = None,
     `on_progress(done, total)` follows a GGUF conversion tensor by tensor.
 
     Raises:
-        ModelFormatError / UnsupportedModelError: the source cannot be loaded.
-        EngineError: the name is taken or invalid.
+        ModelFormatError / UnsupportedModelError: the source cannot be loaded (a folder
+            goes through the loader's checks first, `_check_loads`).
+        EngineError: the name is empty, taken, reserved or invalid.
     """
     src = Path(src).expanduser()
     if not src.exists():
         raise ModelFormatError(f"{src}: no such file or folder")
-    name = name or _default_name(src)
-    if not _valid_name(name) or name in (DEMO_NAME, _demo_folder()):
+    if name is None:
+        name = _default_name(src)
+    if not name.strip():
+        raise EngineError("The model name is empty; give one (letters, digits, . _ -) or leave "
+                          "--name out to name it after the source.")
+    if name in (DEMO_NAME, _demo_folder()):
+        raise EngineError(f"{name!r} is reserved for the built-in demo model; pick another "
+                          "with --name.")
+    if not _valid_name(name):
         raise EngineError(f"{name!r} is not a usable model name (letters, digits, . _ -).")
     dest = models_dir() / name
     if dest.exists():
@@ -224,6 +244,7 @@ def import_model(src: Path, name: str | None = None,
         if problem:
             err = UnsupportedModelError if "not supported" in problem else ModelFormatError
             raise err(f"{src}: {problem}")
+        _check_loads(src)
         tmp = models_dir() / f".import-{uuid.uuid4().hex[:8]}"
         try:
             tmp.mkdir()

@@ -52,6 +52,7 @@ class ModelArgs:
                 f"config.json: model_type {self.model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
+        self._check_types()
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         if self.head_dim is None:
@@ -63,6 +64,45 @@ class ModelArgs:
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a "
                 f"multiple of num_key_value_heads ({self.num_key_value_heads})"
             )
+
+    def _check_types(self) -> None:
+        """Each field the decoder computes with is of its kind, so a hand-edited config
+        ("576" for 576, a negative layer count) is named here, not met as a TypeError in
+        some arithmetic or as a model with no layers."""
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if not _is_int(value):
+                raise ModelFormatError(f"config.json: {name} must be an integer, got {value!r}")
+            if value < 1:
+                raise ModelFormatError(f"config.json: {name} must be at least 1, got {value}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            value = getattr(self, name)
+            if not (_is_int(value) or isinstance(value, float)) or not value > 0:
+                raise ModelFormatError(
+                    f"config.json: {name} must be a positive number, got {value!r}")
+        for name in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ModelFormatError(
+                    f"config.json: {name} must be true or false, got {value!r}")
+        scaling = self.rope_scaling
+        if scaling is None:
+            return
+        if not isinstance(scaling, dict):
+            raise ModelFormatError(
+                f"config.json: rope_scaling must be an object or null, got {scaling!r}")
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in (None, "default", "llama3"):
+            raise UnsupportedModelError(
+                f"config.json: rope_scaling type {kind!r} is not supported "
+                "(supported: default, llama3)")
+        if kind == "llama3" and not (_is_int(scaling.get("factor"))
+                                     or isinstance(scaling.get("factor"), float)):
+            raise ModelFormatError(
+                f"config.json: rope_scaling.factor must be a number, got "
+                f"{scaling.get('factor')!r}")
 
     @property
     def qk_norm(self) -> bool:
@@ -84,6 +124,16 @@ class ModelArgs:
             return cls(**known, extra=extra)
         except TypeError as e:
             raise ModelFormatError(f"config.json: {e}") from e
+
+
+_POSITIVE_INTS = ("hidden_size", "num_hidden_layers", "intermediate_size",
+                  "num_attention_heads", "vocab_size", "num_key_value_heads", "head_dim",
+                  "max_position_embeddings")
+_OPTIONAL = ("num_key_value_heads", "head_dim")  # None: derived from the others
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no size
 
 
 def _fold_rope_parameters(config: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ STATS_KEYS = {
     "prompt_tokens", "prefilled_tokens", "generated_tokens", "prompt_tps", "decode_tps",
     "target_passes", "tau", "acceptance", "drafted", "accepted", "draft_s", "verify_s",
     "prompt_s", "decode_s", "peak_memory_bytes", "finish_reason", "dropped_messages",
+    "seed",  # the sampling seed, so a run at temperature > 0 can be repeated
 }
 PRIME = "Write a Python function that checks if a number is prime."
 
@@ -181,6 +182,29 @@ def test_sampling_flags_reach_the_sampler(tiny: Path, capsys: pytest.CaptureFixt
     assert ids("--max-tokens", "3") == greedy[:3]
 
 
+def test_without_seed_each_sampled_run_draws_one_and_reports_it(
+        tiny: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, --seed defaulted to 0, so every run at temperature > 0 wrote the same text.
+    Now a run without --seed draws a seed, reports it in the stats, and --seed with that
+    value repeats the run; greedy decoding (temperature 0) is unchanged and reports 0."""
+    argv = ["--model", str(tiny), "--prompt", "Hello world", "--max-tokens", "12"]
+    hot = [*argv, "--temperature", "1"]
+    runs = [gen_json(capsys, *hot) for _ in range(4)]
+    seeds = [run["stats"]["seed"] for run in runs]
+    assert len(set(seeds)) == 4 and all(isinstance(seed, int) for seed in seeds)
+    assert len({run["text"] for run in runs}) > 1
+    again = gen_json(capsys, *hot, "--seed", str(seeds[0]))
+    assert again["text"] == runs[0]["text"] and again["stats"]["seed"] == seeds[0]
+    greedy = [gen_json(capsys, *argv) for _ in range(2)]
+    assert greedy[0]["text"] == greedy[1]["text"]
+    assert greedy[0]["stats"]["seed"] == greedy[1]["stats"]["seed"] == 0
+    # the stats line says the seed too, where there is one
+    assert main(["generate", *hot, "--seed", "77"]) == 0
+    assert capsys.readouterr().err.rstrip().endswith(" · seed 77]")
+    assert main(["generate", *argv]) == 0
+    assert "seed" not in capsys.readouterr().err
+
+
 def test_stop_flag(chain: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = gen_json(capsys, "--model", str(chain), "--prompt", "Hi", "--stop", "fox")
     assert result["text"] == "Hé🦊 " and result["stats"]["finish_reason"] == "stop"
@@ -199,6 +223,153 @@ def test_bad_flags_are_one_line_errors(chain: Path, capsys: pytest.CaptureFixtur
     assert main(["generate", "--model", str(chain), *prompt, *flags]) == 1
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err and err.count("\n") == 1
+
+
+def test_messages_and_flags_the_server_refuses_are_refused(
+        chain: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI takes what the server takes: the same four roles ("developer" being a
+    system message) and no empty stop string; and --system does not silently give way
+    to a messages file's own system message."""
+    def run(*flags: str) -> str:
+        assert main(["generate", "--model", str(chain), *flags]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        return err
+
+    wizard = tmp_path / "wizard.json"
+    wizard.write_text(json.dumps([{"role": "wizard", "content": "hi"}]))
+    assert run("--messages", str(wizard)) == (
+        f"error: {wizard}[0]: role 'wizard' is not one of system, developer, user, assistant\n")
+    assert run("--prompt", "Hi", "--stop", "") == "error: stop: stop strings must not be empty\n"
+    system = tmp_path / "system.json"
+    system.write_text(json.dumps([{"role": "developer", "content": "Be terse."},
+                                  {"role": "user", "content": "Hi"}]))
+    assert run("--messages", str(system), "--system", "Be kind.") == (
+        f"error: --system: {system} already starts with a system message; give the system "
+        "prompt in one place\n")
+    # a developer message is a system message, as the server reads it
+    tok = Tokenizer.from_folder(chain)
+    result = gen_json(capsys, "--model", str(chain), "--messages", str(system))
+    assert result["stats"]["prompt_tokens"] == len(tok.encode_chat(
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]))
+
+
+def test_piped_text_beside_another_message_is_named(chain: Path, tmp_path: Path) -> None:
+    """`echo text | understudy generate --messages chat.json`: the piped text is not
+    used, and a warning says so (before: silently dropped). The pipe is filled and
+    closed before the process starts, so the test does not depend on timing."""
+    messages = tmp_path / "chat.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "Hi"}]))
+
+    def run(stdin: int | None, *flags: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "app.cli", "generate", "--model", str(chain), *flags],
+            cwd=REPO, env={**os.environ, "UNDERSTUDY_DATA_DIR": str(tmp_path)},
+            stdin=stdin, capture_output=True, text=True, timeout=120)
+
+    def piped(*flags: str) -> subprocess.CompletedProcess:
+        read, write = os.pipe()
+        os.write(write, b"text nobody reads\n")
+        os.close(write)
+        try:
+            return run(read, *flags)
+        finally:
+            os.close(read)
+
+    for flags, source in [(("--messages", str(messages)), "--messages"),
+                          (("--prompt", "Hi"), "--prompt"), (("Hi",), "the argument")]:
+        proc = piped(*flags)
+        assert proc.returncode == 0 and proc.stdout == CHAIN_TEXT + "\n", proc.stderr
+        warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning:")]
+        assert warnings == [
+            f"warning: standard input is not read: the message comes from {source}"]
+    with (tmp_path / "piped.txt").open("w+") as file:  # `< file` is standard input too
+        file.write("text\n")
+        file.seek(0)
+        assert "standard input is not read" in run(file.fileno(), "--prompt", "Hi").stderr
+    # nothing waiting (/dev/null, a closed empty pipe): no warning
+    quiet = run(subprocess.DEVNULL, "--prompt", "Hi")
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr
+    read, write = os.pipe()
+    os.close(write)
+    try:
+        assert "warning" not in run(read, "--messages", str(messages)).stderr
+    finally:
+        os.close(read)
+    # and the pipe alone is still the message
+    proc = piped()
+    assert proc.returncode == 0 and "warning" not in proc.stderr
+
+
+def test_help_shows_every_options_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, `generate --help` said nothing about --max-tokens, --temperature, --top-p
+    or --seed, `serve --help` not --port's 1234, and `import-gguf --help` did not say
+    what its two arguments are."""
+    def help_of(*command: str) -> str:
+        with pytest.raises(SystemExit) as e:
+            main([*command, "--help"])
+        assert e.value.code == 0
+        return " ".join(capsys.readouterr().out.split())  # unwrapped
+
+    generate = help_of("generate")
+    for line in ["--max-tokens MAX_TOKENS most tokens to write in one reply (default: 512)",
+                 "--temperature TEMPERATURE sampling temperature; 0 picks the most likely "
+                 "token (greedy) (default: 0.0)",
+                 "(nucleus sampling); 1 = no limit (default: 1.0)",
+                 "--top-k TOP_K sample from the K most likely tokens only; 0 = no limit "
+                 "(default: 0)",
+                 "--min-p MIN_P drop tokens less likely than P times the most likely one; "
+                 "0 = off (default: 0.0)",
+                 "(default: 1.0)", "--k K draft length",
+                 "--seed SEED random seed for sampling at temperature > 0 (default: a new "
+                 "random seed each run, reported in the stats so --seed N repeats the run)"]:
+        assert line in generate
+    assert "--port PORT (default: 1234)" in help_of("serve")
+    assert "--queue QUEUE requests that may wait behind the running one (more get 429) " \
+           "(default: 16)" in help_of("serve")
+    gguf = help_of("import-gguf")
+    assert "file the .gguf file to convert" in gguf and "dest the model folder to write" in gguf
+    bench = help_of("bench")
+    assert "--seed SEED random seed for sampling at temperature > 0, the same for every " \
+           "mode (default: 0)" in bench
+    assert "--max-tokens MAX_TOKENS most tokens to write per reply (default: 128)" in bench
+    assert "--seed SEED seed for the head's initial weights and the order of the data " \
+           "(default: 0)" in help_of("train-drafter")
+    assert "--limit LIMIT most results to show (default 20)" in help_of("models", "search")
+    # no "(default: None)" or "(default: False)" noise
+    for text in (generate, bench, help_of("chat"), help_of("serve")):
+        assert "(default: None)" not in text and "(default: False)" not in text
+
+
+def test_chat_refuses_unknown_commands(chain: Path, tmp_path: Path) -> None:
+    """A lone /word that is no command (a typo of /exit, say) is refused with a hint
+    instead of being sent to the model; //word sends "/word", and a line that merely
+    starts with a slash ("/usr/bin is…", a path) is a message as before."""
+    proc = cli("chat", "--model", str(chain), "--max-tokens", "2", data_dir=tmp_path,
+               stdin="/bogus\n/exti\n//bogus\n/usr/bin is where\n/usr/bin/env\n"
+                     '"""\n/bogus\n"""\n/bye\n')
+    assert proc.returncode == 0, proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("unknown command")]
+    assert errors == ["unknown command /bogus, see /help (to send it as a message, write "
+                      "//bogus)",
+                      "unknown command /exti, see /help (to send it as a message, write "
+                      "//exti)"]
+    assert proc.stdout.count("assistant> ") == 4  # //bogus, the two lines, the block
+    stats = [ln for ln in proc.stderr.splitlines() if ln.startswith("[")]
+    assert len(stats) == 4
+
+
+def test_chat_reports_the_seed_it_samples_with(chain: Path, tmp_path: Path) -> None:
+    proc = cli("chat", "--model", str(chain), "--temperature", "0.5", "--seed", "31",
+               "--max-tokens", "2", data_dir=tmp_path, stdin="/bye\n")
+    assert "sampling at temperature 0.5 with seed 31 (--seed 31 repeats this chat)" \
+        in proc.stderr.splitlines()
+    drawn = cli("chat", "--model", str(chain), "--temperature", "0.5", data_dir=tmp_path,
+                stdin="/bye\n")
+    assert re.search(r"^sampling at temperature 0\.5 with seed (\d+) \(--seed \1 repeats",
+                     drawn.stderr, re.MULTILINE)
+    greedy = cli("chat", "--model", str(chain), data_dir=tmp_path, stdin="/bye\n")
+    assert "seed" not in greedy.stderr
 
 
 def test_import_gguf_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -231,6 +402,20 @@ def test_corrupt_config_is_one_line(tiny: Path, tmp_path: Path) -> None:
     (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
     proc = cli("generate", "--model", str(broken), "--prompt", "Hi", data_dir=tmp_path)
     assert_one_line_error(proc, "config.json", "invalid JSON")
+
+
+def test_config_that_does_not_match_the_weights_is_one_line(tmp_path: Path) -> None:
+    """A hidden_size that does not match 4-bit weights: before, MLX's quantize refused the
+    group size it implied, with a traceback."""
+    folder = write_tiny_model(tmp_path / "q4", quantize=(32, 4))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": 56}))
+    proc = cli("generate", "--model", str(folder), "--prompt", "Hi", data_dir=tmp_path)
+    assert_one_line_error(proc, f"{folder}/config.json: hidden_size is 56 but the weights "
+                          "have 64")
+    proc = cli("models", "import", str(folder), data_dir=tmp_path)
+    assert_one_line_error(proc, "hidden_size is 56")
+    assert proc.stdout == "" and not (tmp_path / "models" / "q4").exists()
 
 
 def test_closed_stdout_is_not_a_traceback(tiny: Path, tmp_path: Path) -> None:
@@ -438,3 +623,51 @@ def test_bench_names_the_categories_when_none_match(tiny: Path,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no prompts left" in err
     assert "categories: chat, code-editing, code-generation" in err
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_bench_limit_below_one_is_refused(tiny: Path, capsys: pytest.CaptureFixture[str],
+                                          limit: str) -> None:
+    """Before: --limit 0 ran every prompt and --limit -1 all but the last."""
+    assert main(["bench", "--model", str(tiny), "--limit", limit, "--max-tokens", "2"]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"error: --limit must be at least 1, got {limit}\n" and out == ""
+
+
+def test_bench_report_path_is_checked_before_the_run(tiny: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A folder (or a missing folder) as --json is refused at once: before, the whole run
+    went by and its results were lost when the report could not be written."""
+    args = ["bench", "--model", str(tiny), "--limit", "1", "--max-tokens", "2"]
+    assert main([*args, "--json", str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"error: --json {tmp_path}: is a folder; give a file name for the report\n"
+    assert out == ""  # no table: nothing ran
+    missing = tmp_path / "no" / "report.json"
+    assert main([*args, "--json", str(missing)]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"error: --json {missing}: folder {missing.parent} does not exist\n"
+    assert out == ""
+    report = tmp_path / "report.json"
+    assert main([*args, "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["overall"]["plain_tps"] > 0
+
+
+def test_bench_keeps_a_fixed_seed_shared_by_its_modes(tiny: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Unlike generate's, bench's default seed stays 0: plain and spec sample with the
+    same seed (the coupled rule then writes the same text), and two runs agree."""
+    from app.cli.main import build_parser
+
+    assert build_parser().parse_args(["bench"]).seed == 0
+    assert build_parser().parse_args(["generate"]).seed is None
+    counts = []
+    for run in range(2):
+        report = tmp_path / f"report{run}.json"
+        assert main(["bench", "--model", str(tiny), "--temperature", "1", "--limit", "2",
+                     "--max-tokens", "8", "--json", str(report)]) == 0
+        rows = json.loads(report.read_text())["prompts"]
+        assert [row["identical"] for row in rows] == [True, True]  # one seed for both modes
+        counts.append([(row["plain_tokens"], row["spec_tokens"]) for row in rows])
+    assert counts[0] == counts[1]
+    capsys.readouterr()

@@ -119,6 +119,19 @@ def test_import_folder_then_list(hub, tiny_folder, tmp_path):
     assert code == 1 and "no such file" in err
 
 
+def test_import_refuses_a_truncated_folder_in_one_line(hub, tiny_folder, tmp_path):
+    """Before: "imported …" and a `try: understudy generate …` that then failed."""
+    src = tmp_path / "truncated"
+    shutil.copytree(tiny_folder, src)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    code, out, err = _run("models", "import", str(src))
+    assert code == 1 and out == ""
+    assert err.startswith(f"error: {weights}: tensor ") and err.count("\n") == 1
+    assert "the file is truncated" in err
+    assert "truncated" not in _run("models", "list")[1]
+
+
 def test_pairs_lists_the_catalog(hub):
     code, out, _ = _run("models", "pairs")
     assert code == 0 and "mlx-community/Qwen3-0.6B-4bit" in out

@@ -91,6 +91,49 @@ def test_import_refuses_bad_folders(cache, tiny_folder, tmp_path):
     assert not [p for p in models_dir().iterdir() if p.name != ".locks"]
 
 
+def _copy_with(tiny_folder: Path, dest: Path, **config_changes: object) -> Path:
+    shutil.copytree(tiny_folder, dest)
+    config = json.loads((dest / "config.json").read_text())
+    (dest / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return dest
+
+
+def test_import_refuses_what_the_loader_would_refuse(cache, tiny_folder, tmp_path):
+    """Before, these were imported, listed as ready, and failed once used: the import now
+    runs the loader's checks on the source and leaves nothing behind."""
+    truncated = _copy_with(tiny_folder, tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ModelFormatError) as e:
+        import_model(truncated)
+    assert str(e.value).startswith(f"{weights}: tensor ")
+    assert str(e.value).endswith("the file is truncated (re-download it)")
+
+    wide = _copy_with(tiny_folder, tmp_path / "wide", hidden_size=48)
+    with pytest.raises(ModelFormatError, match="hidden_size is 48 but the weights have 64"):
+        import_model(wide)
+    deep = _copy_with(tiny_folder, tmp_path / "deep", num_hidden_layers=3)
+    with pytest.raises(ModelFormatError, match="num_hidden_layers is 3 but the weights hold 2"):
+        import_model(deep)
+    untokenized = _copy_with(tiny_folder, tmp_path / "untokenized")
+    (untokenized / "tokenizer.json").write_text("{")
+    with pytest.raises(ModelFormatError, match="tokenizer.json"):
+        import_model(untokenized)
+    assert [m.name for m in list_models()] == ["demo"]
+    assert not [p for p in models_dir().iterdir() if p.name != ".locks"]
+
+
+def test_import_names_that_cannot_be_used(cache, tiny_folder):
+    with pytest.raises(EngineError) as e:
+        import_model(tiny_folder, "demo")
+    assert str(e.value) == "'demo' is reserved for the built-in demo model; pick another with --name."
+    with pytest.raises(EngineError, match="The model name is empty"):
+        import_model(tiny_folder, "")  # before: imported under the default name
+    with pytest.raises(EngineError, match="is not a usable model name"):
+        import_model(tiny_folder, "../up")
+    assert not [p for p in models_dir().iterdir() if p.name != ".locks"]
+
+
 @pytest.mark.slow
 def test_import_gguf_goes_through_the_gguf_importer(cache):
     from engine.demo import demo_gguf_path

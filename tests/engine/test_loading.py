@@ -109,6 +109,34 @@ def test_foreign_quantization_config_refused(model_dir: Path) -> None:
         load_weights(model_dir, backend="cpu")
 
 
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [({"hidden_size": "64"}, "hidden_size must be an integer, got '64'"),
+     ({"num_hidden_layers": -1}, "num_hidden_layers must be at least 1, got -1"),
+     ({"vocab_size": True}, "vocab_size must be an integer, got True"),
+     ({"num_key_value_heads": 2.5}, "num_key_value_heads must be an integer, got 2.5"),
+     ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a positive number, got '1e-5'"),
+     ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false, got 'yes'")],
+)
+def test_config_fields_of_the_wrong_kind_are_named(model_dir: Path, changes: dict,
+                                                   message: str) -> None:
+    """A hand-edited config.json: the field and its value are named, with the file's
+    folder, instead of an arithmetic TypeError ("unsupported operand type(s) for //")
+    or, for a negative layer count, a model with no layers at all."""
+    edit_config(model_dir, **changes)
+    with pytest.raises(ModelFormatError) as e:
+        load_weights(model_dir, backend="cpu")
+    assert str(e.value) == f"{model_dir}/config.json: {message}"
+
+
+def test_unknown_rope_scaling_names_the_folder(model_dir: Path) -> None:
+    edit_config(model_dir, rope_scaling={"rope_type": "bogus", "factor": 2.0})
+    with pytest.raises(UnsupportedModelError) as e:
+        load_weights(model_dir, backend="cpu")
+    assert str(e.value).startswith(f"{model_dir}/config.json: rope_scaling type 'bogus' is "
+                                   "not supported")
+
+
 # ------------------------------------------------------------------------ safetensors
 
 
@@ -245,6 +273,44 @@ def test_wrong_bits_in_override_is_a_shape_error(pristine: dict[str, Path], tmp_
                                       "lm_head": {"group_size": 32, "bits": 8}})
     with pytest.raises(ModelFormatError, match=r"'lm_head\.weight' has shape .* \(quantized 8-bit"):
         load_weights(folder, backend="cpu")
+
+
+def test_hidden_size_that_does_not_match_quantized_weights(
+        pristine: dict[str, Path], tmp_path: Path) -> None:
+    """hidden_size 56 for 64-wide 4-bit weights: before, the stored scales implied a group
+    size of 28, and MLX's quantize raised a ValueError (a traceback from the CLI)."""
+    folder = Path(shutil.copytree(pristine["q4"], tmp_path / "q"))
+    edit_config(folder, hidden_size=56)
+    with pytest.raises(ModelFormatError) as e:
+        inspect_weights(folder, backend="metal")
+    assert str(e.value) == (f"{folder}/config.json: hidden_size is 56 but the weights have 64 "
+                            "(model.safetensors: model.norm.weight [64]); config.json does "
+                            "not match the weights")
+
+
+def test_head_dim_that_does_not_match_quantized_weights(
+        pristine: dict[str, Path], tmp_path: Path) -> None:
+    """head_dim 14 (for 16): the attention output layer takes 56 inputs where 64 are
+    stored; named by tensor and shapes, not a ValueError from MLX's quantize."""
+    folder = Path(shutil.copytree(pristine["q4"], tmp_path / "q"))
+    edit_config(folder, head_dim=14)
+    with pytest.raises(ModelFormatError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight' "
+                       r"has shape \[64, 8\] but the model expects \[56, 8\] \(quantized "
+                       r"4-bit, group 32\); config\.json does not match"):
+        load_weights(folder, backend="cpu")
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_layer_count_that_does_not_match_the_weights(
+        pristine: dict[str, Path], tmp_path: Path, layers: int) -> None:
+    """Before: too few layers listed the last layer's tensors as unexpected and asked
+    whether config.json lacked a 'quantization' block, though it has one."""
+    folder = Path(shutil.copytree(pristine["q4"], tmp_path / "q"))
+    edit_config(folder, num_hidden_layers=layers)
+    with pytest.raises(ModelFormatError) as e:
+        load_weights(folder, backend="cpu")
+    assert str(e.value) == (f"{folder}/config.json: num_hidden_layers is {layers} but the "
+                            "weights hold 2 layers; config.json does not match the weights")
 
 
 def test_quantization_config_key_alone_is_accepted(
