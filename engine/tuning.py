@@ -42,7 +42,11 @@ DRIFT_FRACTION = 0.3  # a timing this far off the table (either way) says the ta
 # this much under it refines it (a width's first pass often runs up to ~1.4x slow)
 REFINE_FRACTION = 0.15
 DRIFT_EMA = 0.05  # weight of one width-1 timing in the drift that rescales the table
-PROBE_EVERY = 16  # steps without drafting before one probe with a short draft
+PROBE_EVERY = 16  # steps without drafting before one probe with a short draft ...
+# ... or more, so that such rechecks take about this share of decode time, priced at what
+# the last one cost beyond plain steps committing its tokens (a head's recheck at ~10%
+# acceptance cost ~0.5 of a pass: every 16 steps, auto lost 2-3% of chat to them)
+RECHECK_SHARE = 0.01
 COST_PROBES = True  # verify untested widths now and then (off only for a negative control)
 PROBE_SHARE = 0.05  # cost probes may take about this share of decode time
 PROBE_DRAFT_PASSES = 2.0  # a cost probe drafts at most this many target passes' worth
@@ -414,12 +418,14 @@ class StepOverhead(DiscountedRatio):
 @dataclass(frozen=True)
 class Choice:
     """What to do in the next step: drafter (None = plain step), draft length, the
-    acceptance estimate it was chosen by, and whether it probes an untested width."""
+    acceptance estimate it was chosen by, whether it probes an untested width, and whether
+    it rechecks a drafter sitting out (an idle probe)."""
 
     drafter: str | None
     k: int
     estimate: str | None = None
     probe: bool = False
+    recheck: bool = False
 
 
 @dataclass
@@ -433,6 +439,7 @@ class PolicyMemory:
     benched: dict[str, int] = field(default_factory=dict)  # drafter -> step it was benched
     steps: int = 0
     idle: int = 0
+    recheck_extra: float = 0.0  # what the last idle probe cost beyond plain steps (seconds)
     # the last cost probe: its step, and what its pass cost beyond a plain one once timed
     cost_probe: tuple[int, float] | None = None
     # per drafter: how often a draft tree's runner-up won where its first child lost
@@ -568,13 +575,20 @@ class DraftPolicy:
             self.memory.idle = 0
             return best
         self.memory.idle += 1
-        if self.memory.idle % PROBE_EVERY == 0:
+        if self.memory.idle >= self._recheck_spacing():
             probe = next((d for d in self._candidates() if self._worth_probing(d)),
                          None)
             if probe is not None:
                 self.memory.idle = 0
-                return Choice(probe, 2, probe)
+                return Choice(probe, 2, probe, recheck=True)
         return best
+
+    def _recheck_spacing(self) -> float:
+        """Idle steps before the next recheck of a drafter sitting out: PROBE_EVERY, or
+        more where the last recheck cost so much that they would take over RECHECK_SHARE."""
+        if self.costs is None:
+            return PROBE_EVERY
+        return max(PROBE_EVERY, self.memory.recheck_extra / (RECHECK_SHARE * self.costs.verify(1)))
 
     def _cost_probe(self, wanted: Sequence[tuple[str, str, int]], k: int) -> Choice | None:
         """A draft verified at a width the cost table has not tested, when that width is
@@ -661,6 +675,9 @@ class DraftPolicy:
         if choice.estimate is not None:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)
+        if choice.recheck and step_seconds is not None and self.costs is not None:
+            self.memory.recheck_extra = max(
+                step_seconds - max(n_tokens, 1) * self.costs.verify(1), 0.0)
         if choice.probe and seconds is None:
             # its pass went untimed (it built kernels for a new shape): it tested nothing,
             # so it must not hold the next probe off for PROBE_EVERY steps of a table

@@ -68,7 +68,8 @@ def read_settings(qs: QSettings, target: str | None = None,
         log.warning("settings file %s could not be read (%s): defaults used; the file as it "
                     "was is kept as %s", qs.fileName(), reason, damage.kept)
         for key in qs.allKeys():
-            if not _OUR_KEY.fullmatch(key) or (key == CHAT_SETTINGS_KEY and bad_json):
+            foreign = _is_ini(qs) and not _OUR_KEY.fullmatch(key)
+            if foreign or (key == CHAT_SETTINGS_KEY and bad_json):
                 qs.remove(key)
     settings = ChatSettings.from_dict(data)
     if target:
@@ -83,24 +84,29 @@ def _file_damage(qs: QSettings) -> str | None:
     path = Path(qs.fileName())
     if not path.is_file() or path.stat().st_size == 0:
         return None  # no settings yet
+    if not _is_ini(qs):
+        # macOS's preferences: a plist the system parses (a damaged one is a status error
+        # above), read with fallbacks to the global domain, whose keys ("AppleLanguages")
+        # are not ours yet not damage
+        return None
     keys = qs.allKeys()
     if not keys:
         return "nothing in the file could be read"
     if any(not _OUR_KEY.fullmatch(key) for key in keys):
         return "the file holds bytes that are not settings"
-    if _is_ini(qs):
-        raw = path.read_bytes()
-        try:
-            raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return "the file holds bytes that are not text"
-        if b"\x00" in raw:
-            return "the file holds bytes that are not text"
+    raw = path.read_bytes()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "the file holds bytes that are not text"
+    if b"\x00" in raw:
+        return "the file holds bytes that are not text"
     return None
 
 
 def _is_ini(qs: QSettings) -> bool:
-    """Whether the file is text (INI): the native format is on Linux, not on macOS/Windows."""
+    """Whether the file is text (INI): the native format is on Linux, not on macOS/Windows,
+    where only Qt's status can say the file is damaged."""
     return (qs.format() == QSettings.Format.IniFormat
             or sys.platform not in ("darwin", "win32"))
 

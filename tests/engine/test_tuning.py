@@ -4,6 +4,7 @@ per-step policy, and calibration cached in the app-data dir."""
 from __future__ import annotations
 
 from collections.abc import Callable, Container, Sequence
+from itertools import pairwise
 
 import numpy as np
 import pytest
@@ -339,6 +340,43 @@ def test_a_failing_drafter_falls_back_to_plain_steps_then_probes() -> None:
     assert probes and probes[0] == first + PROBE_EVERY - 1  # idle steps, then one probe
     assert all(choices[i].k <= 2 for i in probes)
     assert probes[1] - probes[0] == PROBE_EVERY
+
+
+def test_rechecks_of_a_drafter_sitting_out_are_spaced_by_what_they_cost(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head's recheck at ~10% acceptance cost half a pass beyond the plain steps it
+    replaced; at one per PROBE_EVERY steps auto lost 2-3% of chat decoding to them. Spaced
+    to take RECHECK_SHARE of the time, they come ~50 steps apart; a drafter whose text
+    turns in its favour is still back within a few rechecks."""
+    def run(alpha_at: Callable[[int], float], steps: int) -> list[int]:
+        rng = np.random.default_rng(0)
+        policy = DraftPolicy("model", ("model",), timed(CostModel(dict(HEAD_COSTS),
+                                                                  {"model": 0.0005})))
+        drafted = []
+        for i in range(steps):
+            choice = policy.choose(FRESH)
+            if choice.drafter is None:
+                policy.update(choice, 0, 0, 0.010, 1, 0.010, 1)
+                continue
+            drafted.append(i)
+            n = 0
+            while n < choice.k and rng.random() < alpha_at(i):
+                n += 1
+            # a recheck's whole step: its pass, the lost overlap and the head catching up
+            seconds = 0.005 + HEAD_COSTS[3]
+            policy.update(choice, n if n == choice.k else n + 1, n, HEAD_COSTS[3],
+                          choice.k + 1, seconds, n + 1)
+        return drafted
+
+    gaps = [b - a for a, b in pairwise(run(lambda i: 0.0, 600)[3:])]
+    assert gaps and min(gaps) >= 50
+    # a drafter that starts paying at step 600 drafts every step again within 100
+    turning = run(lambda i: 0.0 if i < 600 else 0.9, 800)
+    assert all(i in turning for i in range(700, 800))
+    # negative control: rechecks at no cost come every PROBE_EVERY steps
+    monkeypatch.setattr("engine.tuning.RECHECK_SHARE", 1e9)
+    gaps = [b - a for a, b in pairwise(run(lambda i: 0.0, 600)[3:])]
+    assert set(gaps) == {PROBE_EVERY}
 
 
 def test_a_succeeding_drafter_gets_longer_drafts() -> None:
