@@ -324,7 +324,8 @@ def test_help_shows_every_options_default(capsys: pytest.CaptureFixture[str]) ->
                  "--seed SEED random seed for sampling at temperature > 0 (default: a new "
                  "random seed each run, reported in the stats so --seed N repeats the run)"]:
         assert line in generate
-    assert "--port PORT (default: 1234)" in help_of("serve")
+    assert "--port PORT port to listen on, 0-65535 (default 1234; 0 picks a free one)" \
+        in help_of("serve")
     assert "--queue QUEUE requests that may wait behind the running one (more get 429) " \
            "(default: 16)" in help_of("serve")
     gguf = help_of("import-gguf")
