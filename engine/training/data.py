@@ -17,7 +17,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,6 +207,24 @@ def generate_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[i
                      max_new: int = 192, temperature: float = 0.7, seed: int = 0,
                      top_k: int = TOP_K) -> list[Sample]:
     """The target's replies to `items`, generated side by side (left-padded rows)."""
+    steps = generating_samples(model, tokenizer, items, layers, max_new=max_new,
+                               temperature=temperature, seed=seed, top_k=top_k)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def generating_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[int], *,
+                       max_new: int = 192, temperature: float = 0.7, seed: int = 0,
+                       top_k: int = TOP_K, every: int = 4) -> Generator[int, None, list[Sample]]:
+    """`generate_samples` a few passes at a time: yields the reply tokens written so far
+    every `every` decoding passes and returns the samples.
+
+    Why: a batch of 16 replies of up to 192 tokens is ~200 passes (~20-40 s on a 2-core
+    CPU). The app trains in slices on its one engine thread, and a reply sent meanwhile
+    waited for the whole batch (17 s), with no progress shown and no way to stop it."""
     prompts = [tokenizer.encode_chat(list(it.messages), add_generation_prompt=True)
                for it in items]
     eos = set(tokenizer.eos_token_ids)
@@ -259,6 +277,8 @@ def generate_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[i
         step_grid = np.array(chosen, dtype=np.int32)[:, None]
         last = keep(read_positions(model, step_grid, valid[:, :S], caches, layers, top_k,
                                    offset=S - 1), [0] * B)
+        if (step + 1) % every == 0:
+            yield sum(n_new)
     return [_sample(it, np.array(tokens[b], dtype=np.int32), feats_rows[b], ids_rows[b],
                     p_rows[b], len(prompts[b]) - 1) for b, it in enumerate(items)]
 

@@ -32,6 +32,7 @@ from engine.training.data import (
     Item,
     builtin_items,
     generate_samples,
+    generating_samples,
     history_items,
     load_shard,
     read_items,
@@ -74,6 +75,22 @@ def items(prompts=PROMPTS) -> list[Item]:
 def samples(target: LoadedModel):
     return generate_samples(target.model, target.tokenizer, items(), LAYERS, max_new=20,
                             temperature=0.0)
+
+
+def test_generating_in_slices_gives_the_same_samples(target: LoadedModel, samples) -> None:
+    """The app's training slices: the batch yields every few passes (a reply sent meanwhile
+    runs between them), and the samples are the ones made in one go."""
+    steps = generating_samples(target.model, target.tokenizer, items(), LAYERS, max_new=20,
+                               temperature=0.0, every=4)
+    written: list[int] = []
+    while True:
+        try:
+            written.append(next(steps))
+        except StopIteration as end:
+            sliced = end.value
+            break
+    assert len(written) >= 3 and written == sorted(written) and written[0] > 0
+    assert [s.tokens.tolist() for s in sliced] == [s.tokens.tolist() for s in samples]
 
 
 def _builtin_rows() -> list[dict]:
