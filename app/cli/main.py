@@ -306,6 +306,13 @@ def _session(args: argparse.Namespace):
     return ChatSession(target, draft, head_for_drafter(target, args.drafter))
 
 
+
+def _tail(text: str, n: int = 60) -> str:
+    """The end of a reply that /continue goes on from, marked as an excerpt where it is
+    cut (unmarked, it read as the reply printed twice)."""
+    return text if len(text) <= n else "\N{HORIZONTAL ELLIPSIS}" + text[-n:]
+
+
 def _stream(session, messages, options, out: Any = None, continue_final: bool = False,
             steps: list | None = None) -> Any:
     """Run one reply (or, `continue_final`, the rest of the last one), writing text to
@@ -481,7 +488,7 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
 
             messages[-1] = {"role": "assistant",
                             "content": without_cut_mark(messages[-1]["content"])}
-            sys.stdout.write("assistant (continued)> " + messages[-1]["content"][-60:])
+            sys.stdout.write("assistant (continued)> " + _tail(messages[-1]["content"]))
         else:
             messages.append({"role": "user", "content": line})
             sys.stdout.write("assistant> ")

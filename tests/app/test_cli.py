@@ -672,3 +672,13 @@ def test_bench_keeps_a_fixed_seed_shared_by_its_modes(tiny: Path, tmp_path: Path
         counts.append([(row["plain_tokens"], row["spec_tokens"]) for row in rows])
     assert counts[0] == counts[1]
     capsys.readouterr()
+
+
+def test_continue_marks_the_echo_of_a_long_reply_as_an_excerpt() -> None:
+    """/continue echoes the last 60 characters of the reply it goes on from: cut mid-word
+    and unmarked, it read as the reply printed again."""
+    from app.cli.main import _tail
+
+    assert _tail("short reply") == "short reply"
+    long = "word " * 30
+    assert _tail(long) == "\N{HORIZONTAL ELLIPSIS}" + long[-60:]
