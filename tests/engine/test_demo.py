@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -87,3 +90,45 @@ def test_a_damaged_demo_folder_is_imported_again(demo_gguf_path: Path, tmp_path:
     (elsewhere / "tokenizer_config.json").write_text("{" + "x" * (size - 1))
     with pytest.raises(ModelFormatError, match="tokenizer_config.json: not valid JSON"):
         load_model(str(elsewhere))
+
+
+@pytest.mark.slow
+def test_weights_spoilt_in_place_at_their_size_are_imported_again(
+        demo_gguf_path: Path) -> None:
+    """Random bytes written over the demo's weights keep the file's size, so only its
+    content hash (recorded at import) shows them; it is read only when the mtime moved."""
+    from engine.paths import AppDataWarning
+
+    folder = demo.ensure_demo_model(rebuild=True)
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    with weights.open("r+b") as f:
+        f.seek(len(good) // 2)
+        f.write(os.urandom(1 << 20))
+    assert weights.stat().st_size == len(good)
+    with pytest.warns(AppDataWarning, match="model.safetensors changed since it was imported"):
+        assert demo.ensure_demo_model() == folder
+    assert weights.read_bytes() == good
+
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # touched but the same bytes: nothing to say
+        assert demo.ensure_demo_model() == folder
+    info = json.loads((folder / "import_info.json").read_text())
+    assert info["mtimes"]["model.safetensors"] == weights.stat().st_mtime_ns  # not hashed again
+
+
+@pytest.mark.slow
+def test_a_file_where_the_demo_folder_belongs_is_set_aside(demo_gguf_path: Path) -> None:
+    from engine.paths import AppDataWarning
+
+    folder = demo.demo_model_dir()
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.write_text("not a folder")
+    with pytest.warns(AppDataWarning, match="was a file where the demo model's folder belongs"):
+        assert demo.ensure_demo_model() == folder
+    assert (folder / "model.safetensors").is_file()
+    (aside,) = folder.parent.glob(f"{folder.name}.damaged-*")
+    assert aside.read_text() == "not a folder"
+    aside.unlink()

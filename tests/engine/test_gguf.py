@@ -394,3 +394,46 @@ def test_demo_answers_like_smollm2_through_mlx_lm(demo_model_dir: Path) -> None:
     greedy = mx.argmax(logits[0], axis=-1).tolist()
     assert tokenizer.decode([greedy[len(prompt_ids) - 1]]) == "The"
     assert tokenizer.decode([greedy[-1]]) == " Paris"
+
+
+def test_a_later_import_removes_what_a_killed_one_left_but_not_a_running_ones(
+        tmp_path: Path) -> None:
+    """A killed import leaves its partial folder (the size of the model): the next import
+    into the same destination removes it, but never the folder of an import still running."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    repo = Path(__file__).resolve().parents[2]
+    dest = tmp_path / "out"
+    hang = ("import sys, time; from pathlib import Path; from engine.gguf import "
+            "_write_atomically as w\n"
+            "def fill(folder):\n"
+            "    (folder / 'model.safetensors').write_bytes(b'x' * 4096); time.sleep(600)\n"
+            "w(Path(sys.argv[1]), fill, False)\n")
+
+    def partial_of(proc: subprocess.Popen) -> Path:
+        for _ in range(600):
+            found = [p for p in tmp_path.glob(".out.importing-*")
+                     if p.name.split("-")[1] == str(proc.pid)
+                     and (p / "model.safetensors").is_file()]
+            if found:
+                return found[0]
+            time.sleep(0.05)
+        raise AssertionError("the import never started writing")
+
+    killed = subprocess.Popen([sys.executable, "-c", hang, str(dest)], cwd=repo)
+    running = subprocess.Popen([sys.executable, "-c", hang, str(dest)], cwd=repo)
+    try:
+        left, busy = partial_of(killed), partial_of(running)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
+        write_tiny_gguf(tmp_path / "m.gguf")
+        import_gguf(tmp_path / "m.gguf", dest)
+        assert not left.exists()
+        assert (busy / "model.safetensors").is_file()  # still in use: left alone
+        assert (dest / "model.safetensors").is_file()
+    finally:
+        running.kill()
+        running.wait(10)
