@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from engine.drafters.head import HEAD_ARCHITECTURE, HeadConfig, HeadModel
 from engine.errors import EngineError, HeadError, ModelFormatError
 from engine.models.decoder import store_column_major
-from engine.paths import cache_dir, heads_dir
+from engine.paths import cache_dir, heads_dir, write_cache_file
 from engine.weights import read_safetensors_header, weight_files
 
 CONFIG_FILE = "config.json"
@@ -235,7 +235,7 @@ def weights_key(model_path: Path) -> str:
                 h.update(chunk)
     key = h.hexdigest()
     table[stamp] = key
-    _write_text_atomic(cache_path, json.dumps(table, indent=1))
+    write_cache_file(cache_path, json.dumps(table, indent=1))  # a cache: never fails a run
     return key
 
 

@@ -73,9 +73,6 @@ def test_an_unwritable_cache_is_one_warning_and_the_run_goes_on(
     assert list(cache.iterdir()) == []  # no temporary file left behind
 
 
-@pytest.mark.xfail(strict=True, reason="engine/drafters/head_io.weights_key still writes "
-                   "weights_hash.json with its own _write_text_atomic; it should use "
-                   "engine.paths.write_cache_file (owned by the training/heads work)")
 def test_an_unwritable_cache_does_not_stop_the_default_drafter(
         chain: Path, tmp_path: Path) -> None:
     cache = tmp_path / "cache"
