@@ -58,8 +58,12 @@ def run(args: argparse.Namespace) -> int:
                            hot_vocab=args.hot_vocab, max_steps=args.max_steps,
                            fit=replace(FitOptions(), seed=args.seed))
     target = load_model(args.model)  # after the options: a bad flag is said at once
+
+    def warn(line: str) -> None:
+        print(f"warning: {line}", file=sys.stderr)
+
     # a bad data source is one error line before anything starts
-    n_items, n_online = check_data(target, options)
+    n_items, n_online = check_data(target, options, warn=warn)
     print(f"training a drafter head for {target.name} for up to {args.minutes:g} min "
           f"(data: {args.data}); folder {head_root(target.path)}", file=sys.stderr)
     if args.data == "history":
@@ -67,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
               f"{n_items} stored replies to read", file=sys.stderr)
     cancel = threading.Event()
     last = None
-    events = train_drafter(target, options, cancel)
+    made_data = False
+    events = train_drafter(target, options, cancel, warn=warn)
     while True:
         try:
             p = next(events)
@@ -78,17 +83,23 @@ def run(args: argparse.Namespace) -> int:
             print("stopping after a checkpoint...", file=sys.stderr)
             continue
         last = p
+        made_data = made_data or p.phase == "data"
         if p.phase == "data":
             print(f"data   {p.data_sequences:5d} replies {p.data_tokens:7d} tokens  "
                   f"{p.elapsed_s:6.0f}s", file=sys.stderr)
-        elif p.phase == "done" and not p.checkpoint:
+        elif p.phase == "done" and not p.new_checkpoint:
             continue  # no step was trained: said once below
         elif p.phase in ("checkpoint", "done") or p.step % 25 == 0:
             top1 = f"  held-out top-1 {p.heldout_top1:.3f}" if p.heldout_top1 is not None else ""
             print(f"{p.phase:<6} step {p.step:6d}  loss {p.loss if p.loss is not None else 0:7.3f}"
                   f"  tokens {p.tokens_seen:8d}{top1}  {p.elapsed_s:6.0f}s", file=sys.stderr)
-    if last is not None and last.checkpoint:
+    if last is not None and last.new_checkpoint:
         print(f"head saved: {last.checkpoint}")
+    elif last is not None and last.checkpoint:
+        spent = (f"the time went to making data ({last.data_sequences} replies, kept)"
+                 if made_data else "the time ran out before the first step")
+        print(f"no training steps ran this time: {spent}; the head in use stays "
+              f"{last.checkpoint}. Run again to train on", file=sys.stderr)
     elif last is not None:
         print(f"no head yet: the time went to making data ({last.data_sequences} replies, "
               "kept); run again to train from it", file=sys.stderr)

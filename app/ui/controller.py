@@ -513,7 +513,7 @@ class ChatController(QObject):
     def _on_finetune_ended(self, last, error: str) -> None:
         if error:
             self.status_message.emit(f"Could not improve the drafter from your chats: {error}")
-        elif last is not None and last.checkpoint:
+        elif last is not None and last.new_checkpoint:
             top1 = (f", held-out top-1 {last.heldout_top1:.0%}"
                     if last.heldout_top1 is not None else "")
             self.status_message.emit(f"Drafter improved from your chats ({last.step} steps"

@@ -126,8 +126,10 @@ class TrainDrafterDialog(QWidget):
         self.progress.setValue(int(p.fraction * 1000))
         parts = [PHASES.get(p.phase, p.phase),
                  f"{p.data_tokens:,} reply tokens from {p.data_sequences} replies"]
-        if p.step:
+        if p.step and p.loss is not None:
             parts.append(f"step {p.step}, loss {p.loss:.3f}")
+        elif p.step:
+            parts.append(f"step {p.step}")
         if p.heldout_top1 is not None:
             parts.append(f"held-out top-1 {p.heldout_top1:.1%}")
         self._say(" · ".join(parts))
@@ -141,6 +143,10 @@ class TrainDrafterDialog(QWidget):
         elif last is not None and not last.checkpoint:
             self._say(f"No drafter yet: the time went to making data "
                       f"({last.data_sequences} replies, kept). Start again to train from it.")
+        elif last is not None and not last.new_checkpoint:
+            self._say(f"No training steps this time ({last.data_sequences} replies of data "
+                      f"kept). The drafter from step {last.step} stays in use; start again "
+                      "to train on.")
         elif last is not None:
             self.progress.setValue(1000)
             top1 = (f", held-out top-1 {last.heldout_top1:.1%}"

@@ -250,46 +250,118 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def current_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint folder under `root`, or None."""
+def checkpoints(root: Path) -> list[Path]:
+    """The complete-looking checkpoint folders under `root` (config and weights present),
+    newest first; folders set aside as `.damaged` and temporary ones are not among them."""
+    found = [p for p in root.glob("ckpt-*") if p.name[5:].isdigit() and p.is_dir()
+             and (p / CONFIG_FILE).is_file() and (p / WEIGHTS_FILE).is_file()]
+    return sorted(found, reverse=True)
+
+
+def current_checkpoint(root: Path,
+                       warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest complete checkpoint folder under `root`, or None.
+
+    current.json names it. When current.json is unreadable, missing or names a folder that
+    is gone while checkpoints remain, the newest of those is used and current.json is
+    rewritten (a damaged pointer must not hide a head that is still there); `warn` gets
+    one line naming current.json."""
+    pointer = root / POINTER_FILE
     try:
-        name = json.loads((root / POINTER_FILE).read_text())["checkpoint"]
+        name = json.loads(pointer.read_text())["checkpoint"]
+        folder = root / str(name)
+        if folder.is_dir() and (folder / WEIGHTS_FILE).is_file():
+            return folder
+        problem = f"names {name}, which is missing or incomplete"
+    except FileNotFoundError:
+        problem = "is missing"
     except (OSError, ValueError, KeyError, TypeError):
+        problem = "is unreadable"
+    found = checkpoints(root)
+    if not found:
         return None
-    folder = root / str(name)
-    return folder if folder.is_dir() else None
+    try:
+        _write_text_atomic(pointer, json.dumps({"checkpoint": found[0].name}))
+        fixed = "; rewritten"
+    except OSError as e:
+        fixed = f"; could not rewrite it ({e.strerror or e})"
+    if warn is not None:
+        warn(f"{pointer} {problem}; using the newest complete checkpoint, "
+             f"{found[0].name}{fixed}")
+    return found[0]
+
+
+def set_aside(root: Path, folder: Path) -> Path:
+    """Rename a damaged checkpoint `folder` to `<name>.damaged` (kept for a look, never
+    loaded again) and point current.json at the newest complete one left (removed when none
+    is). Returns the new name."""
+    aside = folder.with_name(folder.name + ".damaged")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = folder.with_name(f"{folder.name}.damaged{n}")
+    os.replace(folder, aside)
+    left = checkpoints(root)
+    if left:
+        _write_text_atomic(root / POINTER_FILE, json.dumps({"checkpoint": left[0].name}))
+    else:
+        (root / POINTER_FILE).unlink(missing_ok=True)
+    return aside
 
 
 def publish_checkpoint(root: Path, staged: Path, name: str, keep: int = 2) -> Path:
     """Move a fully written `staged` folder to `root/name`, point current.json at it, and
-    drop older checkpoints beyond `keep`."""
+    drop older checkpoints beyond `keep` (folders set aside as damaged stay)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
     if final.exists():
         shutil.rmtree(final)
     os.replace(staged, final)
     _write_text_atomic(root / POINTER_FILE, json.dumps({"checkpoint": name}))
-    older = sorted(p for p in root.glob("ckpt-*") if p.is_dir() and p != final)
+    older = sorted(p for p in root.glob("ckpt-*")
+                   if p.name[5:].isdigit() and p.is_dir() and p != final)
     for p in older[: max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(p, ignore_errors=True)
     return final
 
 
-def find_head(target) -> tuple[HeadModel, dict[str, Any] | None] | None:
-    """The trained head for `target` (a `LoadedModel`) and its record, or None if none."""
-    folder = current_checkpoint(head_root(target.path))
+def find_head(target, warn: Callable[[str], None] | None = None
+              ) -> tuple[HeadModel, dict[str, Any] | None] | None:
+    """The trained head for `target` (a `LoadedModel`) and its record, or None if none.
+
+    A current checkpoint that does not load (a truncated file) gives way to the newest
+    earlier one that does, with one `warn` line; it is not renamed here (a training job
+    may be writing beside this reader), so the error, when no checkpoint loads, says
+    that `train-drafter` sets it aside."""
+    root = head_root(target.path)
+    folder = current_checkpoint(root, warn)
     if folder is None:
         return None
-    head, record = load_head(folder, target.model), read_record(folder)
-    top1 = (record or {}).get("heldout_top1") or []
-    if top1 and isinstance(top1[0], int | float) and 0 < top1[0] < 1:
-        head.heldout_top1 = float(top1[0])
-    return head, record
+    first: HeadError | None = None
+    for candidate in [folder, *(p for p in checkpoints(root) if p.name < folder.name)]:
+        try:
+            head = load_head(candidate, target.model)
+        except HeadError as e:
+            first = first or e
+            continue
+        if first is not None and warn is not None:
+            warn(f"trained head {folder.name} is damaged ({first}); using the earlier "
+                 f"{candidate.name}. `understudy train-drafter --model {target.name}` sets "
+                 "the damaged one aside and trains on")
+        record = read_record(candidate)
+        top1 = (record or {}).get("heldout_top1") or []
+        if top1 and isinstance(top1[0], int | float) and 0 < top1[0] < 1:
+            head.heldout_top1 = float(top1[0])
+        return head, record
+    assert first is not None
+    raise HeadError(f"{first}. Run `understudy train-drafter --model {target.name}`: it "
+                    "sets the damaged checkpoint aside and resumes from an earlier one or "
+                    "starts afresh")
 
 
-def require_head(target) -> HeadModel:
+def require_head(target, warn: Callable[[str], None] | None = None) -> HeadModel:
     """Like `find_head`, but a missing head is an error that says how to train one."""
-    found = find_head(target)
+    found = find_head(target, warn)
     if found is None:
         raise HeadError(f"no trained drafter head for {target.name}: run "
                         f"`understudy train-drafter --model {target.name}` first")
@@ -301,7 +373,7 @@ def usable_head(target, warn: Callable[[str], None]) -> HeadModel | None:
     out with its reason passed to `warn` (the model stays usable with every other drafter).
     Sessions carry it so that `head` and `auto` can use it."""
     try:
-        found = find_head(target)
+        found = find_head(target, warn)
     except EngineError as e:
         warn(f"trained head not used: {e}")
         return None
@@ -311,8 +383,11 @@ def usable_head(target, warn: Callable[[str], None]) -> HeadModel | None:
 def head_for_drafter(target, drafter: str) -> HeadModel | None:
     """The head a session should carry for `--drafter` (required for 'head'; used by 'auto'
     when one exists; a broken one under auto is skipped, with the reason printed)."""
+    def warn(line: str) -> None:
+        print(f"warning: {line}", file=sys.stderr)
+
     if drafter == "head":
-        return require_head(target)
+        return require_head(target, warn)
     if drafter != "auto":
         return None
-    return usable_head(target, lambda line: print(f"warning: {line}", file=sys.stderr))
+    return usable_head(target, warn)

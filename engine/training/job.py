@@ -15,7 +15,9 @@ teacher-forced. The training record counts the positions from each source.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import shutil
 import threading
@@ -36,6 +38,7 @@ from engine.drafters.head_io import (
     load_head,
     publish_checkpoint,
     read_record,
+    set_aside,
     weights_key,
     write_head,
 )
@@ -56,10 +59,14 @@ from engine.training.head_init import init_head
 from engine.training.heap import lean_memory, release_freed_heap
 from engine.training.locks import exclusive
 from engine.training.online import OnlineBuffer, online_dir, reply_id
+from engine.weights import read_safetensors_header
 
 OPTIMIZER_FILE = "optimizer.safetensors"
+BATCH_TIME_FILE = "batch_time.json"  # in data/: seconds the last batch of replies took
 JOB_LOCK = ".job.lock"  # held by the running job (its process id inside)
 TRAINER_FILE = "trainer.json"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,8 @@ class TrainProgress:
     heldout_top1: float | None
     elapsed_s: float
     fraction: float  # of the time budget used
-    checkpoint: str | None = None
+    checkpoint: str | None = None  # the head in use at the end ("done") or just written
+    new_checkpoint: bool = False  # whether `checkpoint` was written by this run
 
 
 FINETUNE_STEPS = 24
@@ -158,26 +166,32 @@ def _load_data(data_dir: Path) -> list[Sample]:
     return samples
 
 
-def online_samples(root: Path, layers: Sequence[int]) -> tuple[list[Sample], int]:
+def online_samples(root: Path, layers: Sequence[int],
+                   warn: Callable[[str], None] | None = None) -> tuple[list[Sample], int]:
     """The online buffer's recorded replies for these feature layers, and its newest
-    segment number (0 when there is none)."""
+    segment number (0 when there is none). A damaged segment is set aside with one line
+    to `warn` (the log when None)."""
     folder = online_dir(root, layers)
     if not folder.is_dir():
         return [], 0
-    buffer = OnlineBuffer(folder)
+    buffer = OnlineBuffer(folder, on_problem=warn)
     return buffer.samples(), buffer.last_seq
 
 
-def check_data(target, options: TrainOptions, root: Path | None = None) -> tuple[int, int]:
+def check_data(target, options: TrainOptions, root: Path | None = None,
+               warn: Callable[[str], None] | None = None) -> tuple[int, int]:
     """(items to read or reply to, positions the online buffer holds for them), or the
     data source's one clear error, before a job starts."""
     root = root or head_root(target.path)
     online: list[Sample] = []
     if options.data == "history":
         ckpt = current_checkpoint(root)
-        layers = (load_head(ckpt, target.model).config.aux_layers if ckpt is not None
-                  else default_layers(target.model.n_layers))
-        online = online_samples(root, layers)[0]
+        try:
+            layers = (load_head(ckpt, target.model).config.aux_layers if ckpt is not None
+                      else default_layers(target.model.n_layers))
+        except EngineError:  # a damaged checkpoint: the job sets it aside and says so
+            layers = default_layers(target.model.n_layers)
+        online = online_samples(root, layers, warn)[0]
     items = resolve_items(options, {s.id for s in online})
     return len(items), sum(s.n_reply for s in online)
 
@@ -248,9 +262,12 @@ class ActiveClock:
 
 def train_drafter(target, options: TrainOptions | None = None,
                   cancel: threading.Event | None = None,
-                  root: Path | None = None) -> Iterator[TrainProgress]:
+                  root: Path | None = None,
+                  warn: Callable[[str], None] | None = None) -> Iterator[TrainProgress]:
     """Make data, then train, until `minutes` of work, `max_steps` or `cancel`; see module
-    doc. Time the caller spends between two reports is not counted.
+    doc. Time the caller spends between two reports is not counted. `warn` gets one line
+    per thing repaired on the way (a damaged checkpoint or segment set aside, a bad
+    current.json); the log when None.
 
     `target` is a `LoadedModel`; every MLX call happens on the caller's thread.
     """
@@ -259,14 +276,47 @@ def train_drafter(target, options: TrainOptions | None = None,
     root = root or head_root(target.path)
     with exclusive(root / JOB_LOCK, wait=False,
                    busy=f"another drafter training job for {target.name} is running"):
-        for progress in _run(target, options, cancel, root, clock.elapsed):
+        for progress in _run(target, options, cancel, root, clock.elapsed,
+                             warn or log.warning):
             clock.pause()
             yield progress
             clock.resume()
 
 
+def _resumable(root: Path, model, warn: Callable[[str], None]):
+    """The newest checkpoint that loads with its trainer state, and its head; a damaged one
+    (a truncated file, a crash's leftovers) is renamed `.damaged` with one line each and the
+    next older is tried; (None, None) when none is left, said once when that drops one."""
+    ckpt = current_checkpoint(root, warn)
+    damaged = False
+    while ckpt is not None:
+        try:
+            head = load_head(ckpt, model)
+            state = json.loads((ckpt / TRAINER_FILE).read_text())
+            int(state["step"]), int(state["tokens_seen"])
+            read_safetensors_header(ckpt / OPTIMIZER_FILE)
+            return ckpt, head
+        except (EngineError, OSError, ValueError, KeyError, TypeError) as e:
+            aside = set_aside(root, ckpt)
+            warn(f"checkpoint {ckpt} is damaged ({e}); set aside as {aside.name}")
+            damaged = True
+            ckpt = current_checkpoint(root)
+    if damaged:
+        warn("no complete earlier checkpoint: starting a fresh head (the data is kept)")
+    return None, None
+
+
+def _batch_seconds(data_dir: Path) -> float | None:
+    try:
+        value = float(json.loads((data_dir / BATCH_TIME_FILE).read_text())["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
 def _run(target, options: TrainOptions, cancel: threading.Event | None,
-         root: Path, elapsed: Callable[[], float]) -> Iterator[TrainProgress]:
+         root: Path, elapsed: Callable[[], float],
+         warn: Callable[[str], None]) -> Iterator[TrainProgress]:
     model = target.model
     data_dir = root / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -275,13 +325,12 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
     def stopped() -> bool:
         return (cancel is not None and cancel.is_set()) or elapsed() >= budget
 
-    ckpt = current_checkpoint(root)
-    head = load_head(ckpt, model) if ckpt is not None else None
+    ckpt, head = _resumable(root, model, warn)
     layers = head.config.aux_layers if head else default_layers(model.n_layers)
     online, online_seq = [], 0
     if options.data == "history":
         # replies recorded while they were written need no teacher-forced pass
-        online, online_seq = online_samples(root, layers)
+        online, online_seq = online_samples(root, layers, warn)
     items = resolve_items(options, {s.id for s in online})
     samples = _load_data(data_dir)
     done = {s.id for s in samples}
@@ -292,10 +341,16 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
     def data_stats() -> tuple[int, int]:
         return len(samples), sum(s.n_reply for s in samples if not s.heldout)
 
-    # ---- data: at least one batch, then while the data share of the time lasts
+    # ---- data: at least one batch, then only while a whole batch fits in the data share
+    # of the time: with data on hand, a short run trains from it rather than spending all
+    # its minutes on one more batch (repeated short runs would never take a step)
+    batch_s = _batch_seconds(data_dir)
     while pending and not (cancel is not None and cancel.is_set()):
-        if samples and elapsed() >= budget * options.data_share:
-            break
+        if samples:
+            left = budget * options.data_share - elapsed()
+            if left <= 0 or (batch_s is not None and batch_s > left):
+                break
+        started = elapsed()
         batch, pending = pending[: options.gen_batch], pending[options.gen_batch :]
         r = int(batch[0].id.rsplit("#r", 1)[-1]) if "#r" in batch[0].id else 0
         forced = [it for it in batch if it.teacher_forced]
@@ -313,6 +368,10 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
             raise EngineError(_not_written("training data", data_dir, e,
                                            "the data saved before is kept")) from None
         n_shard += 1
+        batch_s = elapsed() - started
+        # only an estimate: without it, the next run makes one batch to measure it again
+        with contextlib.suppress(OSError):
+            (data_dir / BATCH_TIME_FILE).write_text(json.dumps({"seconds": batch_s}))
         # kept as the shard holds them, features read when a batch asks (as a resumed job
         # reads every shard), not in memory: ~0.5 MB a reply for the demo, so a long data
         # phase would otherwise hold hundreds of MB
@@ -325,13 +384,18 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
         yield TrainProgress("data", n_seq, n_tok, 0, 0, None, None, elapsed(),
                             min(elapsed() / budget, 1.0))
 
-    if ckpt is None and stopped():
+    if stopped():
         # stopped, or the time spent, while making data: keep the data and write no
         # untrained head (a head of 0 steps would be offered as a drafter that drafts
-        # nothing useful); the next run goes on from the data
+        # nothing useful), nor announce the head in use as new; the next run goes on
+        # from the data
         n_seq, n_tok = data_stats()
-        yield TrainProgress("done", n_seq, n_tok, 0, 0, None, None, elapsed(),
-                            min(elapsed() / budget, 1.0))
+        record = read_record(ckpt) if ckpt is not None else None
+        state = json.loads((ckpt / TRAINER_FILE).read_text()) if ckpt is not None else {}
+        top1 = (record or {}).get("heldout_top1") or [None]
+        yield TrainProgress("done", n_seq, n_tok, int(state.get("step", 0)),
+                            int(state.get("tokens_seen", 0)), None, top1[0], elapsed(),
+                            min(elapsed() / budget, 1.0), str(ckpt) if ckpt else None)
         return
     train = [s for s in samples if not s.heldout and s.n_reply > 0]
     heldout = [s for s in samples if s.heldout and s.n_reply > 0]
@@ -388,9 +452,16 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
             phase = "checkpoint"
         yield TrainProgress(phase, n_seq, n_tok, trainer.step, trainer.tokens_seen, loss,
                             top1[0] if top1 else None, elapsed(),
-                            min(elapsed() / budget, 1.0), where)
+                            min(elapsed() / budget, 1.0), where, new_checkpoint=bool(where))
+    if trainer.step == start_step:
+        # no step this run (the time went to making data): the head in use stays, and
+        # is not announced as saved
+        yield TrainProgress("done", n_seq, n_tok, trainer.step, trainer.tokens_seen, None,
+                            top1[0] if top1 else None, elapsed(),
+                            min(elapsed() / budget, 1.0), str(ckpt) if ckpt else None)
+        return
     fresh = saved and saved[-1].name == f"ckpt-{trainer.step:07d}"
     where = str(saved[-1] if fresh else checkpoint())
     yield TrainProgress("done", n_seq, n_tok, trainer.step, trainer.tokens_seen, loss,
                         top1[0] if top1 else None, elapsed(), min(elapsed() / budget, 1.0),
-                        where)
+                        where, new_checkpoint=True)

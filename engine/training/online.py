@@ -201,7 +201,7 @@ class OnlineBuffer:
             shutil.rmtree(path, ignore_errors=True)
             where = "removed"
         self.on_problem(f"online training buffer: {why.removesuffix('; delete it')}; "
-                        f"{where}, the chat goes on")
+                        f"{where}; the other segments are used")
 
     @property
     def positions(self) -> int:

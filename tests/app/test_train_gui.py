@@ -101,7 +101,17 @@ def test_a_job_that_only_made_data_says_no_drafter_yet(qtbot, make_gui, target: 
     qtbot.waitUntil(lambda: dialog.status.text().startswith("No drafter yet"), timeout=10_000)
     assert "16 replies, kept" in dialog.status.text() and "Saved" not in dialog.status.text()
     dialog.grab().save(str(screenshots_dir / "train_drafter_data_only.png"))
-    saved = TrainProgress("done", 16, 1200, 5, 900, 2.5, 0.25, 60.0, 1.0, "/x/ckpt-0000005")
+    # a run whose time went to data while a head exists: no loss, the old head stays
+    kept = TrainProgress("done", 32, 2400, 5, 900, None, 0.25, 60.0, 1.0, "/x/ckpt-0000005")
+    worker.training_progressed.emit(kept)
+    worker.training_ended.emit(kept, "")
+    qtbot.waitUntil(lambda: dialog.status.text().startswith("No training steps"),
+                    timeout=10_000)
+    assert "step 5 stays in use" in dialog.status.text()
+    assert "Saved" not in dialog.status.text()
+    dialog.grab().save(str(screenshots_dir / "train_drafter_no_steps.png"))
+    saved = TrainProgress("done", 16, 1200, 5, 900, 2.5, 0.25, 60.0, 1.0, "/x/ckpt-0000005",
+                          new_checkpoint=True)
     worker.training_ended.emit(saved, "")
     qtbot.waitUntil(lambda: dialog.status.text().startswith("Saved after 5 steps"),
                     timeout=10_000)

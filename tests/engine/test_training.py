@@ -507,7 +507,7 @@ def test_a_job_whose_time_went_to_data_keeps_it_and_writes_no_untrained_head(
     assert [e.phase for e in events] == ["data", "done"]
     assert events[-1].checkpoint is None and events[-1].step == 0
     assert current_checkpoint(root) is None and not list(root.glob("ckpt-*"))
-    assert sorted(p.name for p in (root / "data").iterdir()) == ["shard-00000"]
+    assert sorted(p.name for p in (root / "data").glob("shard-*")) == ["shard-00000"]
     rest = list(train_drafter(target, _options(2), root=root))
     assert rest[-1].phase == "done" and rest[-1].step == 2
     assert current_checkpoint(root).name == "ckpt-0000002"
@@ -529,7 +529,7 @@ def test_a_second_job_on_one_head_is_refused_in_one_line(target: LoadedModel,
     with pytest.raises(BusyError, match=rf"another drafter training job for \S+ is running "
                                         rf"\(process {os.getpid()}, holding .*\.job\.lock\)"):
         next(train_drafter(target, _options(2), root=root))
-    assert sorted(p.name for p in (root / "data").iterdir()) == ["shard-00000"]
+    assert sorted(p.name for p in (root / "data").glob("shard-*")) == ["shard-00000"]
     rest = list(first)  # the first job was not disturbed
     assert rest[-1].phase == "done" and rest[-1].step == 2
     again = list(train_drafter(target, _options(4), root=root))
