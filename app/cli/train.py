@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     cancel = threading.Event()
     last = None
     made_data = False
+    printed_sequences = -1
     events = train_drafter(target, options, cancel, warn=warn)
     while True:
         try:
@@ -85,8 +86,11 @@ def run(args: argparse.Namespace) -> int:
         last = p
         made_data = made_data or p.phase == "data"
         if p.phase == "data":
-            print(f"data   {p.data_sequences:5d} replies {p.data_tokens:7d} tokens  "
-                  f"{p.elapsed_s:6.0f}s", file=sys.stderr)
+            # once the data on hand is known and after each batch, not every slice
+            if p.data_sequences and p.data_sequences != printed_sequences:
+                printed_sequences = p.data_sequences
+                print(f"data   {p.data_sequences:5d} replies {p.data_tokens:7d} tokens  "
+                      f"{p.elapsed_s:6.0f}s", file=sys.stderr)
         elif p.phase == "done" and not p.new_checkpoint:
             continue  # no step was trained: said once below
         elif p.phase in ("checkpoint", "done") or p.step % 25 == 0:

@@ -47,7 +47,7 @@ from engine.training.data import (
     Item,
     Sample,
     builtin_items,
-    generate_samples,
+    generating_samples,
     history_items,
     load_shard,
     read_items,
@@ -357,10 +357,25 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
         fresh = [it for it in batch if not it.teacher_forced]
         made = read_samples(model, target.tokenizer, forced, layers) if forced else []
         if fresh:
-            made += generate_samples(model, target.tokenizer, fresh, layers,
-                                     max_new=options.max_new,
-                                     temperature=options.temperature,
-                                     seed=options.fit.seed * 1000 + r * 100 + n_shard)
+            # a few passes a slice: a reply sent meanwhile runs between them, and the
+            # window shows the replies' tokens as they are written
+            steps = generating_samples(model, target.tokenizer, fresh, layers,
+                                       max_new=options.max_new,
+                                       temperature=options.temperature,
+                                       seed=options.fit.seed * 1000 + r * 100 + n_shard)
+            while True:
+                try:
+                    written = next(steps)
+                except StopIteration as end:
+                    made += end.value
+                    break
+                n_seq, n_tok = data_stats()
+                yield TrainProgress("data", n_seq, n_tok + written, 0, 0, None, None,
+                                    elapsed(), min(elapsed() / budget, 1.0))
+                if cancel is not None and cancel.is_set():
+                    break  # a batch cut short is dropped: the data saved before is kept
+            if cancel is not None and cancel.is_set():
+                break
         shard = data_dir / f"shard-{n_shard:05d}"
         try:
             save_shard(shard, made)

@@ -504,7 +504,8 @@ def test_a_job_whose_time_went_to_data_keeps_it_and_writes_no_untrained_head(
     root = tmp_path / "r"
     short = replace(_options(2), minutes=1e-6)  # spent by the first batch of replies
     events = list(train_drafter(target, short, root=root))
-    assert [e.phase for e in events] == ["data", "done"]
+    # the batch's slices, then the batch, then done
+    assert {e.phase for e in events[:-1]} == {"data"} and events[-1].phase == "done"
     assert events[-1].checkpoint is None and events[-1].step == 0
     assert current_checkpoint(root) is None and not list(root.glob("ckpt-*"))
     assert sorted(p.name for p in (root / "data").glob("shard-*")) == ["shard-00000"]
@@ -512,6 +513,26 @@ def test_a_job_whose_time_went_to_data_keeps_it_and_writes_no_untrained_head(
     assert rest[-1].phase == "done" and rest[-1].step == 2
     assert current_checkpoint(root).name == "ckpt-0000002"
     assert (root / "data" / "shard-00000").is_dir()  # the first run's data, trained on
+
+
+def test_the_data_phase_yields_within_a_batch_and_stops_there(target: LoadedModel,
+                                                               tmp_path: Path) -> None:
+    """A batch of 16 replies is ~200 passes (17 s of a reply waiting in the app, with no
+    progress shown and Stop unheard): the job now yields every few passes, showing the
+    tokens written, and a Stop there ends it at once, dropping the batch cut short."""
+    import threading
+
+    root = tmp_path / "r"
+    cancel = threading.Event()
+    job = train_drafter(target, _options(2), cancel, root=root)
+    first = [next(job) for _ in range(2)]
+    assert [p.phase for p in first] == ["data", "data"]
+    assert all(p.data_sequences == 0 for p in first)  # inside the first batch
+    assert 0 < first[0].data_tokens < first[1].data_tokens
+    cancel.set()
+    rest = list(job)
+    assert [p.phase for p in rest] == ["done"] and rest[0].step == 0
+    assert not list((root / "data").glob("shard-*"))  # nothing half-made was kept
 
 
 def test_a_second_job_on_one_head_is_refused_in_one_line(target: LoadedModel,
@@ -525,7 +546,10 @@ def test_a_second_job_on_one_head_is_refused_in_one_line(target: LoadedModel,
 
     root = tmp_path / "r"
     first = train_drafter(target, _options(2), root=root)
-    assert next(first).phase == "data"  # running, between two slices
+    progress = next(first)
+    while progress.data_sequences == 0:  # slices of the first batch, before its shard
+        progress = next(first)
+    assert progress.phase == "data"  # running, between two slices
     with pytest.raises(BusyError, match=rf"another drafter training job for \S+ is running "
                                         rf"\(process {os.getpid()}, holding .*\.job\.lock\)"):
         next(train_drafter(target, _options(2), root=root))
