@@ -166,6 +166,25 @@ def _valid_name(name: str) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name) is not None and ".." not in name
 
 
+class ModelNameTakenError(EngineError):
+    """The import's name is taken or reserved. The message names the CLI's --name; `name`
+    and `free` (the first free "name-N") let a GUI ask with a name to accept instead."""
+
+    def __init__(self, message: str, name: str) -> None:
+        super().__init__(message)
+        self.name = name
+        self.free = _free_name(name)
+
+
+def _free_name(name: str) -> str:
+    base = name[:96]
+    for n in range(2, 1000):
+        candidate = f"{base}-{n}"
+        if candidate not in (DEMO_NAME, _demo_folder()) and not (models_dir() / candidate).exists():
+            return candidate
+    return f"{base}-{uuid.uuid4().hex[:6]}"
+
+
 def _default_name(src: Path) -> str:
     stem = src.stem if src.is_file() else src.name
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", stem).strip("-.").lower()
@@ -215,7 +234,8 @@ def import_model(src: Path, name: str | None = None,
     Raises:
         ModelFormatError / UnsupportedModelError: the source cannot be loaded (a folder
             goes through the loader's checks first, `_check_loads`).
-        EngineError: the name is empty, taken, reserved or invalid.
+        ModelNameTakenError: the name is taken or reserved.
+        EngineError: the name is empty or invalid.
     """
     src = Path(src).expanduser()
     if not src.exists():
@@ -226,13 +246,14 @@ def import_model(src: Path, name: str | None = None,
         raise EngineError("The model name is empty; give one (letters, digits, . _ -) or leave "
                           "--name out to name it after the source.")
     if name in (DEMO_NAME, _demo_folder()):
-        raise EngineError(f"{name!r} is reserved for the built-in demo model; pick another "
-                          "with --name.")
+        raise ModelNameTakenError(f"{name!r} is reserved for the built-in demo model; pick "
+                                  "another with --name.", name)
     if not _valid_name(name):
         raise EngineError(f"{name!r} is not a usable model name (letters, digits, . _ -).")
     dest = models_dir() / name
     if dest.exists():
-        raise EngineError(f"A model named {name!r} already exists; pick another with --name.")
+        raise ModelNameTakenError(f"A model named {name!r} already exists; pick another "
+                                  "with --name.", name)
     if src.is_file():
         if src.suffix.lower() != ".gguf":
             raise ModelFormatError(f"{src}: expected a .gguf file or a model folder")

@@ -13,6 +13,7 @@ import contextlib
 import hmac
 import itertools
 import json
+import logging
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -71,11 +72,17 @@ class ServerConfig:
 
 
 _ids = itertools.count(1)
+log = logging.getLogger(__name__)
 
 
 def create_app(backend: EngineBackend, config: ServerConfig | None = None,
-               on_record: Callable[[RequestRecord], None] | None = None) -> Starlette:
-    """The ASGI app; `app.state.jobs` is its JobQueue (request log in `.records`)."""
+               on_record: Callable[[RequestRecord], None] | None = None,
+               on_rejected: Callable[[RequestRecord], None] | None = None) -> Starlette:
+    """The ASGI app; `app.state.jobs` is its JobQueue (request log in `.records`).
+
+    `on_record` hears of every request the engine ran; `on_rejected` (the app's request
+    log, where someone debugging a client looks) of those refused before it, with their
+    status and message."""
     config = config or ServerConfig()
     jobs = JobQueue(backend, config.max_waiting, on_record)
     api = _Api(backend, config, jobs)
@@ -88,19 +95,39 @@ def create_app(backend: EngineBackend, config: ServerConfig | None = None,
         exception_handlers={ApiError: _api_error, HTTPException: _http_error},
     )
     app.state.jobs = jobs
+    app.state.on_rejected = on_rejected
     return app
 
 
-async def _api_error(_request: Request, exc: Exception) -> Response:
+async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
+    _report_rejected(request, exc.status, exc.message)
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-async def _http_error(_request: Request, exc: Exception) -> Response:
+async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     err = ApiError(exc.status_code, str(exc.detail), code="not_found"
                    if exc.status_code == 404 else None)
+    _report_rejected(request, err.status, err.message)
     return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+def _report_rejected(request: Request, status: int, message: str) -> None:
+    hook = request.app.state.on_rejected
+    if hook is None:
+        return
+    path = request.url.path
+    endpoint = _ENDPOINTS.get(path, "models" if path.startswith("/v1/models") else path)
+    record = RequestRecord(time.time(), endpoint, "", 0, 0, 0, 0.0, 0.0, "",
+                           f"error: {message}", status)
+    try:
+        hook(record)
+    except Exception:  # noqa: BLE001 - a log viewer must not break serving
+        log.exception("request log callback failed")
 
 
 class _Api:
@@ -278,8 +305,9 @@ class _Reply:
                     shown = replace(event, text=without_cut_mark(event.text))
                     return JSONResponse(build(self.job.job_id, self.created, self.job.model,
                                               shown, self._extension(event)))
-                elif isinstance(event, JobFailed):
-                    raise ApiError(event.status if event.status < 499 else 500, event.message)
+                elif isinstance(event, JobFailed):  # logged by the JobQueue already
+                    err = ApiError(event.status if event.status < 499 else 500, event.message)
+                    return JSONResponse(err.body(), status_code=err.status)
         finally:
             watcher.cancel()
             self.job.cancel.set()  # no-op after Finished; stops the engine otherwise

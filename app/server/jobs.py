@@ -108,7 +108,8 @@ class RequestRecord:
     decode_tps: float
     tau: float
     drafter: str
-    finish: str  # engine finish reason, or "error: ..." for a failed job
+    finish: str  # engine finish reason, or "error: ..." for a failed or rejected request
+    status: int = 200  # the HTTP status the client got (4xx: rejected before the engine)
 
 
 class QueueFull(Exception):
@@ -171,7 +172,7 @@ class JobQueue:
         else:
             record = RequestRecord(time.time(), job.endpoint, job.model, len(job.prompt_ids),
                                    0, 0, 0.0, 0.0, job.options.drafter,
-                                   f"error: {event.message}")
+                                   f"error: {event.message}", event.status)
         self.records.append(record)
         if self.on_record is not None:
             try:

@@ -34,12 +34,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class ApiKeyRequiredError(EngineError):
+    """A host off loopback without a key. The message names the CLI's --api-key; `host`
+    lets the app name its own API key field instead."""
+
+    def __init__(self, host: str) -> None:
+        super().__init__(f"host {host} makes the server reachable from other machines: "
+                         "set an API key too (--api-key KEY); clients then send "
+                         "'Authorization: Bearer KEY'")
+        self.host = host
+
+
 def check_bind(host: str, api_key: str | None) -> None:
     """Off loopback the server is reachable by others: it must then require a key."""
     if not is_loopback(host) and not api_key:
-        raise EngineError(f"host {host} makes the server reachable from other machines: "
-                          "set an API key too (--api-key KEY); clients then send "
-                          "'Authorization: Bearer KEY'")
+        raise ApiKeyRequiredError(host)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -148,30 +148,55 @@ class MessageCard(QFrame):
         # widening the card past the chat column
         self.footer.setWordWrap(True)
 
-        header = QHBoxLayout()
-        header.setContentsMargins(0, 0, 0, 0)
-        header.addWidget(self.role_label)
-        header.addStretch(1)
+        # the role, then the actions beside it, or on a row below when the column is too
+        # narrow for both (a reply cut short has three; side by side they widened the card
+        # past the column and the chat scrolled sideways)
+        self.header = QGridLayout()
+        self.header.setContentsMargins(0, 0, 0, 0)
+        self.header.setVerticalSpacing(0)
+        self.header.setColumnStretch(0, 1)
+        self.header.addWidget(self.role_label, 0, 0)
+        self.actions = QHBoxLayout()
+        self.actions.setContentsMargins(0, 0, 0, 0)
+        self.actions.addStretch(1)
         self.copy_button = self._action("Copy", "Copy this message", self.copy_requested)
-        header.addWidget(self.copy_button)
+        self.actions.addWidget(self.copy_button)
         if message.role == "user":
-            header.addWidget(self._action("Edit", "Edit and resend", self.edit_requested))
+            self.actions.addWidget(self._action("Edit", "Edit and resend", self.edit_requested))
         else:
             self.continue_button = self._action(
                 "Continue", "Write on from where this reply was cut short",
                 self.continue_requested)
             self.continue_button.hide()  # the view shows it on a last reply cut short
-            header.addWidget(self.continue_button)
+            self.actions.addWidget(self.continue_button)
             self.regenerate_button = self._action("Regenerate", REGENERATE_TIP,
                                                   self.regenerate_requested)
-            header.addWidget(self.regenerate_button)
+            self.actions.addWidget(self.regenerate_button)
+        self.actions_row = 0
+        self.header.addLayout(self.actions, 0, 1)
         layout = QVBoxLayout(self)
         layout.setContentsMargins(12, 8, 12, 8)
         layout.setSpacing(2)
-        layout.addLayout(header)
+        layout.addLayout(self.header)
         layout.addWidget(self.browser)
         layout.addWidget(self.footer)
         self.render()
+
+    def fit_header(self, column_width: int) -> None:
+        """Put the actions beside the role when both fit in `column_width` (the width the
+        chat column gives a card), else on a row of their own below it."""
+        margins = self.layout().contentsMargins()
+        inner = column_width - margins.left() - margins.right() - 2 * self.frameWidth()
+        beside = (self.role_label.sizeHint().width() + self.header.horizontalSpacing()
+                  + self.actions.sizeHint().width())
+        row = 0 if beside <= inner else 1
+        if row != self.actions_row:
+            self.header.removeItem(self.actions)
+            if row == 0:
+                self.header.addLayout(self.actions, 0, 1)
+            else:
+                self.header.addLayout(self.actions, 1, 0, 1, 2)
+            self.actions_row = row
 
     def _action(self, text: str, tip: str, signal) -> QToolButton:
         button = QToolButton()
@@ -329,6 +354,10 @@ class ChatView(QWidget):
         self.scroll.setWidgetResizable(True)
         self.scroll.setFrameShape(QFrame.Shape.NoFrame)
         self.scroll.setWidget(self.column)
+        # the column is as wide as the view: cards wrap (text, footer, header actions)
+        # rather than scroll sideways
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.scroll.viewport().installEventFilter(self)
         self.scroll.verticalScrollBar().rangeChanged.connect(self._on_range_changed)
         self.scroll.verticalScrollBar().valueChanged.connect(self._on_scrolled)
 
@@ -382,6 +411,17 @@ class ChatView(QWidget):
         super().resizeEvent(event)
         self._place_legend()
 
+    def eventFilter(self, watched: object, event: QEvent) -> bool:  # noqa: N802 - Qt override
+        if watched is self.scroll.viewport() and event.type() == QEvent.Type.Resize:
+            self._fit_headers()
+        return super().eventFilter(watched, event)
+
+    def _fit_headers(self) -> None:
+        margins = self.column_layout.contentsMargins()
+        width = self.scroll.viewport().width() - margins.left() - margins.right()
+        for card in self.cards:
+            card.fit_header(width)
+
     def _place_legend(self) -> None:
         """The legend beside the check boxes when all its chips fit there on one line, else
         on a row of its own below them, where it wraps a few chips per line (squeezed
@@ -432,6 +472,7 @@ class ChatView(QWidget):
                 card.continue_button.setVisible(not busy and last and continuable(card.message))
                 card.regenerate_button.setToolTip(REGENERATE_TIP if last
                                                   else REGENERATE_EARLIER_TIP)
+        self._fit_headers()  # Continue coming or going changes what fits on one row
 
     def _place_context_divider(self) -> None:
         """Put the divider before the first message the newest reply read, when that reply

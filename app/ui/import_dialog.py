@@ -3,6 +3,7 @@
 A GGUF conversion reads and converts the file tensor by tensor on the engine thread, which
 takes from seconds to minutes; this window follows `ModelsController`'s import signals and
 closes itself when the import ends. It blocks nothing: the chat stays usable meanwhile.
+When the source's name is already in the library, `ask_import_name` asks for another.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QLabel, QProgressBar, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QInputDialog, QLabel, QProgressBar, QVBoxLayout, QWidget
 
 from app.ui.models_controller import ModelsController
 
@@ -50,3 +51,26 @@ class ImportProgressDialog(QWidget):
 
     def _on_import_ended(self, _ok: bool) -> None:
         self.hide()
+
+
+def ask_import_name(controller: ModelsController, parent: QWidget, path: str, taken: str,
+                    free: str) -> QInputDialog:
+    """Ask for another name for an import whose name is taken (the CLI's message says to
+    use --name, which the window has no place for), prefilled with a free one; OK imports
+    under it. Window-modal and returned at once, so a caller (or test) can drive it."""
+    dialog = QInputDialog(parent)
+    dialog.setWindowTitle("Import Model")
+    dialog.setLabelText(f"The library already has a model named “{taken}”.\n"
+                        f"Import {Path(path).name} as:")
+    dialog.setTextValue(free)
+    dialog.setOkButtonText("Import")
+    dialog.setWindowModality(Qt.WindowModality.WindowModal)
+    dialog.setAttribute(Qt.WidgetAttribute.WA_DeleteOnClose)
+
+    def accepted(name: str) -> None:
+        if name.strip():
+            controller.import_path(path, name.strip())
+
+    dialog.textValueSelected.connect(accepted)
+    dialog.open()
+    return dialog

@@ -55,6 +55,8 @@ from engine.events import Stats, Step
 __all__ = ["ErrorBanner", "MainWindow", "load_chat_settings", "settings_store"]
 
 if TYPE_CHECKING:
+    from PySide6.QtWidgets import QInputDialog
+
     from app.hub.library import LocalModel
     from app.ui.import_dialog import ImportProgressDialog
     from app.ui.models_controller import ModelsController
@@ -121,6 +123,8 @@ class MainWindow(QMainWindow):
         self._preferences: PreferencesDialog | None = None
         self._server_panel: ServerPanel | None = None  # made on first use
         self.import_dialog: ImportProgressDialog | None = None  # made with the models controller
+        self._library_error = ""  # the banner's message when a library action set it
+        self.import_name_dialog: QInputDialog | None = None  # asking a taken import name anew
         self.train_dialog: TrainDrafterDialog | None = None  # made on first use
 
         self.title_label = ElidedLabel("New chat")  # a long title never widens the window
@@ -418,7 +422,7 @@ class MainWindow(QMainWindow):
     def models_controller(self) -> ModelsController:
         """The model manager's logic, made on first use (it reads the keychain lazily too)."""
         if self._models_controller is None:
-            from app.ui.import_dialog import ImportProgressDialog
+            from app.ui.import_dialog import ImportProgressDialog, ask_import_name
             from app.ui.models_controller import ModelsController
 
             mc = ModelsController(self.qsettings, mlx_thread=self.controller.host.thread,
@@ -427,6 +431,13 @@ class MainWindow(QMainWindow):
             mc.model_deleted.connect(self._on_model_deleted)
             mc.model_imported.connect(self._on_model_imported)
             mc.library_failed.connect(self._on_library_failed)
+
+            def name_taken(path: str, taken: str, free: str) -> None:
+                panel = self._models_panel
+                parent = panel if panel is not None and panel.isVisible() else self
+                self.import_name_dialog = ask_import_name(mc, parent, path, taken, free)
+
+            mc.import_name_taken.connect(name_taken)
             self._models_controller = mc
             self.import_dialog = ImportProgressDialog(mc, self)
         return self._models_controller
@@ -441,12 +452,15 @@ class MainWindow(QMainWindow):
         self.models_controller.import_path(path)
 
     def _on_model_imported(self, model: LocalModel) -> None:
+        if self.banner.text and self.banner.text == self._library_error:
+            self.banner.hide()  # an import that worked: the last one's failure is stale
         self.statusBar().showMessage(f"Imported {model.name}: pick it in Target or Draft model",
                                      8000)
 
     def _on_library_failed(self, message: str) -> None:
         if self._models_panel is None or not self._models_panel.isVisible():
             self.banner.show_message(message)  # else the panel shows it
+            self._library_error = message
 
     def show_models(self) -> ModelsPanel:
         """Open (or raise) the Models panel."""

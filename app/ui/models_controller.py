@@ -33,7 +33,13 @@ from qasync import asyncSlot
 from app.hub.api import HubAuthError, HubConfig
 from app.hub.catalog import RecommendedPair, load_catalog
 from app.hub.download import DownloadCancelled, DownloadProgress, download_model
-from app.hub.library import LocalModel, delete_model, import_model, list_models
+from app.hub.library import (
+    LocalModel,
+    ModelNameTakenError,
+    delete_model,
+    import_model,
+    list_models,
+)
 from app.hub.token_store import TokenStatus, TokenStore, mask
 from engine.errors import EngineError
 
@@ -112,7 +118,9 @@ class ModelsController(QObject):
     model_imported = Signal(object)  # LocalModel
     import_started = Signal(str)  # source path
     import_progressed = Signal(int, int)  # GGUF tensors converted, of total
-    import_ended = Signal(bool)  # succeeded (after model_imported or library_failed)
+    import_ended = Signal(bool)  # succeeded (after model_imported, library_failed or
+    # import_name_taken)
+    import_name_taken = Signal(str, str, str)  # source path, the name taken, a free one
     model_deleted = Signal(str, int)  # name, bytes freed
     library_failed = Signal(str)
     token_changed = Signal(object)  # TokenStatus
@@ -359,17 +367,23 @@ class ModelsController(QObject):
             self.refresh_library()
         self.model_deleted.emit(name, int(freed))
 
-    @asyncSlot(str)
-    async def import_path(self, path: str) -> None:
+    @asyncSlot(str, str)
+    async def import_path(self, path: str, name: str = "") -> None:
         """Copy a model folder, or convert a GGUF file (on the engine thread, reporting each
-        tensor through `import_progressed`), into the library."""
+        tensor through `import_progressed`), into the library, named `name` or (empty)
+        after the source. A name already in the library is `import_name_taken`, so the
+        window can ask for another."""
         src = Path(path)
         gguf = src.suffix.lower() == ".gguf"
         run = self._on_mlx_thread if gguf else self._in_executor
         self.import_started.emit(str(src))
         try:
-            model = await run(import_model, src,
+            model = await run(import_model, src, name or None,
                               on_progress=self._import_progress_from_thread.emit if gguf else None)
+        except ModelNameTakenError as e:
+            self.import_ended.emit(False)
+            self.import_name_taken.emit(str(src), e.name, e.free)
+            return
         except Exception as e:  # noqa: BLE001
             self.refresh_library()
             self.library_failed.emit(_describe(e))

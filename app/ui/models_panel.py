@@ -306,6 +306,7 @@ class ModelsPanel(QDialog):
         self.results_hint.setText(f"Searching for “{query}”…" if query else "Searching…")
 
     def _on_search_finished(self, hits: list[RepoSummary]) -> None:
+        self.banner.hide()  # an action that worked: an earlier failure's message is stale
         self.results_model.set_rows(hits)
         author = self.author_edit.text().strip()
         who = author or "all authors"
@@ -474,24 +475,29 @@ class ModelsPanel(QDialog):
             QMessageBox.StandardButton.Yes | QMessageBox.StandardButton.No,
             QMessageBox.StandardButton.No)
         if answer == QMessageBox.StandardButton.Yes:
+            self.banner.hide()
             self.controller.delete(m.name)
 
     def _on_model_deleted(self, name: str, freed: int) -> None:
+        self.banner.hide()
         self.show_info(f"Deleted {name}; {format_bytes(freed)} freed.")
 
     def _on_model_imported(self, model: LocalModel) -> None:
+        self.banner.hide()
         self.show_info(f"Imported {model.name} ({format_bytes(model.size_bytes)}).")
         self.select_library(model.name)
 
     def _on_import_folder_clicked(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Import a model folder")
         if folder:
+            self.banner.hide()
             self.show_info(f"Importing {folder}…")
             self.controller.import_path(folder)
 
     def _on_import_gguf_clicked(self) -> None:
         path, _ = QFileDialog.getOpenFileName(self, "Import a GGUF file", "", "GGUF (*.gguf)")
         if path:
+            self.banner.hide()
             self.show_info(f"Converting {path}…")
             self.controller.import_path(path)
 

@@ -3,7 +3,8 @@
 The server (app/server) runs uvicorn on its own thread, but its requests run on the app's
 one `EngineWorker`, in turn with the chat (`AppEngineBackend`), so the app never holds two
 copies of a model or two MLX threads. The panel shows the address, a client snippet to
-copy, and a live request log fed by the server's `JobQueue`.
+copy, and a live request log fed by the server's `JobQueue` (requests the engine ran) and
+its error handlers (requests refused before it, with their status and message).
 """
 
 from __future__ import annotations
@@ -31,7 +32,14 @@ from PySide6.QtWidgets import (
 )
 
 from app.server.jobs import Job, ModelCard, RequestRecord
-from app.server.run import DEFAULT_HOST, DEFAULT_PORT, BackgroundServer, check_bind, client_snippet
+from app.server.run import (
+    DEFAULT_HOST,
+    DEFAULT_PORT,
+    ApiKeyRequiredError,
+    BackgroundServer,
+    check_bind,
+    client_snippet,
+)
 from app.ui.controller import ChatController
 from app.ui.worker import EngineHost, ModelInfo
 from engine.errors import EngineError
@@ -86,8 +94,9 @@ class AppEngineBackend:
 class RequestLogModel(QAbstractTableModel):
     """The server's finished requests, newest last."""
 
-    HEADERS = ("Time", "Endpoint", "Model", "Prompt", "Completion", "tok/s", "tau", "Drafter",
-               "Finish")
+    HEADERS = ("Time", "Endpoint", "Status", "Model", "Prompt", "Completion", "tok/s", "tau",
+               "Drafter", "Finish")
+    FINISH = len(HEADERS) - 1
 
     def __init__(self, parent: QObject | None = None, keep: int = 500) -> None:
         super().__init__(parent)
@@ -107,14 +116,21 @@ class RequestLogModel(QAbstractTableModel):
         return None
 
     def data(self, index: QModelIndex, role: int = Qt.ItemDataRole.DisplayRole):
-        if not index.isValid() or role != Qt.ItemDataRole.DisplayRole:
+        if not index.isValid():
             return None
         r = self._rows[index.row()]
+        if role == Qt.ItemDataRole.ToolTipRole and index.column() == self.FINISH:
+            return r.finish  # an error message may be longer than the column
+        if role != Qt.ItemDataRole.DisplayRole:
+            return None
+        when = time.strftime("%H:%M:%S", time.localtime(r.at))
+        if not r.model:  # rejected before it reached the engine: no numbers to show
+            return (when, r.endpoint, str(r.status), "", "", "", "", "", "",
+                    r.finish)[index.column()]
         prompt = (f"{r.prompt_tokens}" if r.prefilled_tokens in (0, r.prompt_tokens)
                   else f"{r.prompt_tokens} ({r.prefilled_tokens} new)")
-        return (time.strftime("%H:%M:%S", time.localtime(r.at)), r.endpoint, r.model, prompt,
-                str(r.completion_tokens), f"{r.decode_tps:.1f}", f"{r.tau:.2f}", r.drafter,
-                r.finish)[index.column()]
+        return (when, r.endpoint, str(r.status), r.model, prompt, str(r.completion_tokens),
+                f"{r.decode_tps:.1f}", f"{r.tau:.2f}", r.drafter, r.finish)[index.column()]
 
     def add(self, record: RequestRecord) -> None:
         if len(self._rows) >= self._keep:
@@ -166,6 +182,7 @@ class ServerPanel(QDialog):
         self.address_label = QLabel("Stopped")
         self.address_label.setObjectName("serverAddress")
         self.address_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.address_label.setWordWrap(True)  # a long "Not started: …" must not widen the panel
         top = QHBoxLayout()
         top.addWidget(self.start_button)
         top.addWidget(self.address_label, 1)
@@ -182,10 +199,13 @@ class ServerPanel(QDialog):
         self.log_view = QTableView()
         self.log_view.setModel(self.log_model)
         self.log_view.verticalHeader().hide()
-        self.log_view.horizontalHeader().setSectionResizeMode(
-            QHeaderView.ResizeMode.ResizeToContents)
-        self.log_view.horizontalHeader().setStretchLastSection(True)
-        self.log_model.rowsInserted.connect(lambda *_: self.log_view.scrollToBottom())
+        self.log_view.setWordWrap(False)  # "33 (9 new)" on one line, as wide as it needs
+        self.log_view.setTextElideMode(Qt.TextElideMode.ElideRight)
+        header = self.log_view.horizontalHeader()
+        header.setSectionResizeMode(QHeaderView.ResizeMode.Interactive)
+        header.setStretchLastSection(True)  # Finish (an error message) takes what is left
+        self.log_model.rowsInserted.connect(self._on_rows_inserted)
+        self._fit_columns()
 
         layout = QVBoxLayout(self)
         layout.addLayout(form)
@@ -195,6 +215,22 @@ class ServerPanel(QDialog):
         layout.addWidget(QLabel("Requests"))
         layout.addWidget(self.log_view, 1)
         self._show_state()
+
+    def _on_rows_inserted(self, *_: object) -> None:
+        self._fit_columns()
+        self.log_view.scrollToBottom()
+
+    def _fit_columns(self) -> None:
+        """Every column but Finish as wide as its widest cell (so the time and tau are never
+        cut to "01…"); a long model id gives way at a third of the table, cut at its end."""
+        view, header = self.log_view, self.log_view.horizontalHeader()
+        model_cap = max(120, view.viewport().width() // 3)
+        for column in range(RequestLogModel.FINISH):
+            width = max(header.sectionSizeFromContents(column).width(),
+                        view.sizeHintForColumn(column))
+            if RequestLogModel.HEADERS[column] == "Model":
+                width = min(width, model_cap)
+            header.resizeSection(column, width)
 
     @property
     def running(self) -> bool:
@@ -214,9 +250,16 @@ class ServerPanel(QDialog):
         try:
             check_bind(host, key)
             config = ServerConfig(api_key=key, default_drafter=self.drafter_combo.currentText())
-            app = create_app(self._backend, config, on_record=self._record_arrived.emit)
+            app = create_app(self._backend, config, on_record=self._record_arrived.emit,
+                             on_rejected=self._record_arrived.emit)
             server = BackgroundServer(app, host, self.port_spin.value())
             server.start()
+        except ApiKeyRequiredError as e:  # its message names the CLI's flag, not the field
+            self.address_label.setText(
+                f"Not started: host {e.host} makes the server reachable from other machines, "
+                "so it needs a key: fill in “API key” above (clients then send "
+                "'Authorization: Bearer KEY').")
+            return False
         except EngineError as e:
             self.address_label.setText(f"Not started: {e}")
             return False

@@ -128,3 +128,41 @@ def test_help_about_shows_the_version_model_and_mlx(qtbot, make_gui, tiny_pair,
     assert f"MLX {mx.__version__}" in details.splitlines() and "speculative decoding" in details
     box.grab().save(str(screenshots_dir / "about.png"))
     box.accept()
+
+
+def test_a_reply_cut_short_keeps_its_actions_inside_a_narrow_column(qtbot, make_gui, tiny_pair,
+                                                                   screenshots_dir) -> None:
+    """Copy, Continue and Regenerate beside "Assistant" were wider than the column of an
+    800 px window: the chat scrolled sideways. They move to a row of their own instead."""
+    from app.store import STOPPED
+
+    gui = make_gui(plain_settings(tiny_pair[0]))
+    window = gui.window
+    store = gui.store
+    cid = store.create_conversation("Cut").id
+    store.add_message(cid, "user", "Write python code to add two numbers.")
+    reply = store.begin_reply(cid, model="tiny", settings={})
+    store.finish_reply(reply.id, status=STOPPED, text="def add(a, b):")
+    gui.controller.open_conversation(cid)
+    view = window.chat_view
+    card = view.cards[-1]
+    qtbot.waitUntil(lambda: card.continue_button.isVisibleTo(window))
+
+    window.resize(800, 780)
+    scroll = view.scroll
+
+    def fits() -> bool:
+        return (view.isVisible() and scroll.widget().width() <= scroll.viewport().width()
+                and card.regenerate_button.geometry().right() < card.width())
+
+    qtbot.waitUntil(fits, timeout=5_000)
+    qtbot.waitUntil(lambda: view.legend_row == 1, timeout=5_000)  # settled, for the picture
+    window.grab().save(str(screenshots_dir / "cut_reply_800.png"))
+    assert scroll.horizontalScrollBar().maximum() == 0
+    assert card.actions_row == 1  # below the role: beside it they did not fit
+    assert card.regenerate_button.mapTo(card, card.regenerate_button.rect().topLeft()).y() \
+        > card.role_label.geometry().bottom() - 1
+
+    window.resize(1400, 780)  # room again: back beside the role
+    qtbot.waitUntil(lambda: card.actions_row == 0, timeout=5_000)
+    assert scroll.horizontalScrollBar().maximum() == 0

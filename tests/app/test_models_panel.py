@@ -519,10 +519,13 @@ def test_file_import_gguf_shows_progress_and_the_model_reaches_the_pickers(
     assert str(models_dir() / "tiny-menu.q8_0") in _targets(gui)
     assert "Imported tiny-menu.q8_0" in window.statusBar().currentMessage()
 
-    # a second import of the same name fails with one clear line in the main window
-    with qtbot.waitSignal(window.models_controller.import_ended, timeout=TIMEOUT) as ended:
+    # a second import of the same name asks for another, prefilled with a free one
+    with qtbot.waitSignal(window.models_controller.import_name_taken, timeout=TIMEOUT):
         window.import_gguf_action.trigger()
-    assert ended.args == [False] and "already exists" in window.banner.text
+    dialog = window.import_name_dialog
+    assert dialog.parent() is window and dialog.textValue() == "tiny-menu.q8_0-2"
+    dialog.reject()
+    assert window.banner.text == "" or "--name" not in window.banner.text
 
 
 def test_without_a_keychain_the_token_is_kept_for_the_session_only(qtbot, cache, tmp_path):
@@ -548,3 +551,45 @@ def test_without_a_keychain_the_token_is_kept_for_the_session_only(qtbot, cache,
         assert SECRET not in Path(qs.fileName()).read_text(encoding="utf-8")
     finally:
         keyring.set_keyring(previous)
+
+
+def test_a_taken_import_name_is_asked_anew_and_success_clears_the_error(
+        qtbot, gui, tmp_path, monkeypatch, screenshots_dir):
+    """Importing a folder whose name is in the library asks for another (prefilled with a
+    free one) instead of telling the user to pass --name; an import or delete that works
+    clears the red banner an earlier failure left."""
+    folder = write_tiny_model(tmp_path / "srcfolder", "llama")
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(folder))
+    window = gui.window
+    panel = window.show_models()
+    controller = panel.controller
+
+    panel.offline_box.setChecked(True)
+    with qtbot.waitSignal(controller.search_failed, timeout=TIMEOUT):
+        panel.run_search()
+    assert "Offline mode is on" in panel.error_text
+    with qtbot.waitSignal(controller.model_imported, timeout=TIMEOUT):
+        qtbot.mouseClick(panel.import_folder_button, Qt.MouseButton.LeftButton)
+    assert panel.error_text == ""  # the import worked: the search's error is gone
+
+    with qtbot.waitSignal(controller.import_name_taken, timeout=TIMEOUT):
+        qtbot.mouseClick(panel.import_folder_button, Qt.MouseButton.LeftButton)
+    dialog = window.import_name_dialog
+    qtbot.waitUntil(dialog.isVisible)
+    dialog.grab().save(str(screenshots_dir / "import_name_taken.png"))
+    assert dialog.textValue() == "srcfolder-2"
+    assert "“srcfolder”" in dialog.labelText() and "--" not in dialog.labelText()
+    assert panel.error_text == "" and "--name" not in window.banner.text
+    with qtbot.waitSignal(controller.model_imported, timeout=TIMEOUT) as imported:
+        dialog.accept()
+    assert imported.args[0].name == "srcfolder-2" and imported.args[0].ready
+    assert {"srcfolder", "srcfolder-2"} <= {m.name for m in controller.library}
+
+    with qtbot.waitSignal(controller.search_failed, timeout=TIMEOUT):
+        panel.run_search()
+    assert panel.error_text
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.Yes)
+    assert panel.select_library("srcfolder-2")
+    with qtbot.waitSignal(controller.model_deleted, timeout=TIMEOUT):
+        qtbot.mouseClick(panel.delete_button, Qt.MouseButton.LeftButton)
+    assert panel.error_text == ""

@@ -64,10 +64,74 @@ def test_server_menu_serves_through_the_app_worker(qtbot, make_gui, tiny_pair,
         openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=5).models.list()
 
 
-def test_server_off_loopback_needs_a_key(qtbot, make_gui, tiny_pair) -> None:
+def test_server_off_loopback_needs_a_key(qtbot, make_gui, tiny_pair, screenshots_dir) -> None:
     gui = make_gui(ChatSettings(target=str(tiny_pair[0]), drafter="off"))
     panel = gui.window.server_panel
     panel.host_edit.setText("0.0.0.0")
     panel.port_spin.setValue(0)
+    panel.show()
+    panel.resize(760, 520)
     assert panel.start_server() is False
-    assert "--api-key" in panel.address_label.text() and not panel.running
+    text = panel.address_label.text()
+    assert not panel.running
+    # it names the panel's own field, not the command line's flag
+    assert "“API key”" in text and "--api-key" not in text and "0.0.0.0" in text
+    # the long reason wraps in the panel instead of widening it
+    qtbot.waitUntil(lambda: panel.address_label.height()
+                    >= 2 * panel.address_label.fontMetrics().lineSpacing())
+    panel.grab().save(str(screenshots_dir / "server_needs_key.png"))
+    assert panel.width() == 760 and panel.minimumSizeHint().width() <= 760
+    assert panel.address_label.geometry().right() < panel.width()
+
+
+def test_rejected_requests_reach_the_log_and_its_columns_fit(qtbot, make_gui, tiny_pair,
+                                                             screenshots_dir) -> None:
+    """Someone debugging a client looks at the log: a request refused before the engine
+    (a body without "model") is a row with its status and message; and at the panel's
+    default size no column is cut to "01…"."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    gui = make_gui(ChatSettings(target=str(tiny_pair[0]), drafter="off", max_tokens=4))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    panel = gui.window.server_panel
+    panel.port_spin.setValue(0)
+    panel.show()
+    assert panel.start_server()
+
+    def post(body: dict) -> int:
+        request = urllib.request.Request(f"{panel.url}/chat/completions",
+                                         json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return reply.status
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    messages = [{"role": "user", "content": "Hello world"}]
+    status = post({"messages": messages})
+    assert status in (400, 422)
+    qtbot.waitUntil(lambda: panel.log_model.rowCount() == 1, timeout=TIMEOUT)
+    rejected = panel.log_model.record(0)
+    assert (rejected.endpoint, rejected.status) == ("chat", status)
+    assert "model" in rejected.finish and rejected.finish.startswith("error: ")
+    model = panel.log_model
+    cells = [model.data(model.index(0, c)) for c in range(model.columnCount())]
+    assert cells[1:3] == ["chat", str(status)] and cells[-1] == rejected.finish
+
+    assert post({"model": gui.controller.model.name, "messages": messages}) == 200
+    qtbot.waitUntil(lambda: panel.log_model.rowCount() == 2, timeout=TIMEOUT)
+    assert panel.log_model.record(1).status == 200
+    panel.resize(760, 520)
+    view = panel.log_view
+    qtbot.waitUntil(lambda: view.viewport().width() > 500)
+    panel.grab().save(str(screenshots_dir / "server_log_columns.png"))
+    metrics = view.fontMetrics()
+    for column, name in enumerate(model.HEADERS[:-1]):
+        for row in range(model.rowCount()):
+            text = model.data(model.index(row, column)) or ""
+            if name != "Model":  # a long model id may give way, cut at its end
+                assert metrics.horizontalAdvance(text) < view.columnWidth(column), (name, text)
+    panel.stop_server()
