@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -182,7 +183,7 @@ def test_a_model_that_fails_late_in_its_load_gives_way_to_the_one_before(
 
 def test_a_settings_file_of_random_bytes_is_kept_aside_and_reported(tmp_path, caplog) -> None:
     path = tmp_path / "Understudy.conf"
-    garbage = os.urandom(4000)
+    garbage = random.Random(4000).randbytes(4000)  # fixed: random bytes may hold a key
     path.write_bytes(garbage)
     qs = QSettings(str(path), QSettings.Format.IniFormat)
     with caplog.at_level(logging.WARNING, logger="understudy"):
@@ -223,7 +224,7 @@ def test_the_app_says_when_its_settings_file_is_damaged(tiny_pair, tmp_path,
                                                         screenshots_dir) -> None:
     conf = settings_file(tmp_path)
     conf.parent.mkdir(parents=True)
-    garbage = os.urandom(3000)
+    garbage = random.Random(3000).randbytes(3000)
     conf.write_bytes(garbage)
     shot = screenshots_dir / "settings_damaged.png"
     opened = open_app(tmp_path, "--model", str(tiny_pair[0]), shot=shot)
