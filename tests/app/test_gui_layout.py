@@ -156,7 +156,8 @@ def test_a_reply_cut_short_keeps_its_actions_inside_a_narrow_column(qtbot, make_
                 and card.regenerate_button.geometry().right() < card.width())
 
     qtbot.waitUntil(fits, timeout=5_000)
-    qtbot.waitUntil(lambda: view.legend_row == 1, timeout=5_000)  # settled, for the picture
+    qtbot.waitUntil(lambda: view.legend_row == 1, timeout=5_000)
+    qtbot.wait(50)  # the layout applies the move on the next turn: settled, for the picture
     window.grab().save(str(screenshots_dir / "cut_reply_800.png"))
     assert scroll.horizontalScrollBar().maximum() == 0
     assert card.actions_row == 1  # below the role: beside it they did not fit
