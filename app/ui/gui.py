@@ -29,6 +29,8 @@ from app.ui.main_window import MainWindow
 from app.ui.settings_file import read_settings, settings_store
 from app.ui.theme import apply_theme
 from app.ui.worker import ChatSettings, EngineHost
+from engine.errors import AppDataError
+from engine.paths import models_dir
 
 log = logging.getLogger("understudy")
 
@@ -57,7 +59,10 @@ def run_gui(model_spec: str | None = None, *, smoke: bool = False) -> int:
     scratch = tempfile.TemporaryDirectory(prefix="understudy-smoke-") if smoke else None
     try:
         store = Store(Path(scratch.name) / "history.sqlite3") if scratch else Store()
-    except StoreError as exc:
+        # a file where the models folder belongs is said here, in a dialog, not as an
+        # error from inside the window being built (a launcher shows no terminal)
+        models_dir()
+    except (StoreError, AppDataError) as exc:
         log.error("%s", exc)
         print(f"understudy: {exc}", file=sys.stderr)
         if not smoke:  # a user who opened the app from a launcher sees no terminal
