@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from math import ceil
 
-from PySide6.QtCore import QEvent, QPoint, Qt, QTimer, QUrl, Signal
+from PySide6.QtCore import QEvent, QMimeData, QPoint, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import QGuiApplication, QResizeEvent, QTextCursor, QTextDocument, QTextOption
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -38,6 +38,7 @@ from app.ui.token_render import (
     KIND_STYLES,
     LEGEND_ORDER,
     footer_text,
+    is_decoration,
     kind_css,
     markdown_html,
     tokens_html,
@@ -116,11 +117,43 @@ class TokenBrowser(QTextBrowser):
             return True
         return super().viewportEvent(event)
 
+    def createMimeDataFromSelection(self) -> QMimeData:  # noqa: N802 - Qt override
+        """Copy (⌘C, drag) gives the selected text as it reads: without rejected guesses,
+        fallback markers, branch bars or code blocks' label and Copy link, and as plain
+        text (rich text carried the token colours and struck-through ghosts along)."""
+        mime = QMimeData()
+        mime.setText(selected_text(self.textCursor()))
+        return mime
+
     def _on_anchor_clicked(self, url: QUrl) -> None:
         if url.scheme() == COPY_SCHEME:
             index = int(url.path() or "-1")
             if 0 <= index < len(self.code_blocks):
                 QGuiApplication.clipboard().setText(self.code_blocks[index])
+
+
+def selected_text(cursor: QTextCursor) -> str:
+    """The plain text of `cursor`'s selection less the view's decorations
+    (`token_render.is_decoration`)."""
+    doc = QTextDocument()
+    QTextCursor(doc).insertFragment(cursor.selection())
+    runs: list[tuple[int, int]] = []  # (position, length) of each decoration
+    block = doc.begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            frag = it.fragment()
+            fmt = frag.charFormat()
+            if is_decoration(fmt.toolTip(), frag.text(), fmt.anchorHref()):
+                runs.append((frag.position(), frag.length()))
+            it += 1
+        block = block.next()
+    edit = QTextCursor(doc)
+    for position, length in reversed(runs):
+        edit.setPosition(position)
+        edit.setPosition(position + length, QTextCursor.MoveMode.KeepAnchor)
+        edit.removeSelectedText()
+    return doc.toPlainText()
 
 
 class MessageCard(QFrame):

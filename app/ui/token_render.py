@@ -39,6 +39,8 @@ from engine.events import Stats, Step, Token, TokenKind
 
 MONO = "Menlo, 'SF Mono', Consolas, 'DejaVu Sans Mono', monospace"
 COPY_SCHEME = "copy-code"  # anchors "copy-code:<n>" ask the view to copy code block n
+GHOST_SEPARATOR = "\N{LIGHT VERTICAL BAR}"  # between two branches' ghosts (no tooltip)
+CODE_LABEL_TIP = "The code block's language"  # the label above a code block
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,17 @@ def step_warning_tooltip(error: str) -> str:
             f"underlined like it):\n{error}")
 
 
+def is_decoration(tooltip: str, text: str, anchor: str) -> bool:
+    """Whether a run of the shown reply is the view's, not the message's: a rejected guess,
+    a fallback step's marker, the bar between two branches' ghosts, or a code block's
+    label and Copy link. Copying a selection leaves these out (`tooltip`, `text` and
+    `anchor` are a run's tooltip, text and link target, as the document holds them)."""
+    return (tooltip.startswith((f"{KIND_STYLES[TokenKind.REJECTED].label}:",
+                                step_warning_tooltip(""), CODE_LABEL_TIP))
+            or anchor.startswith(f"{COPY_SCHEME}:")
+            or (not tooltip and text == GHOST_SEPARATOR))
+
+
 def _escape(text: str) -> str:
     return html.escape(text, quote=False)
 
@@ -147,7 +160,7 @@ def warning_span(error: str, dark: bool = False) -> str:
 
 def ghost_separator(dark: bool = False) -> str:
     """A thin muted bar between two neighbouring ghosts of different branches."""
-    return f'<span style="color:{"#6e7681" if dark else "#a0a7b0"}">\N{LIGHT VERTICAL BAR}</span>'
+    return f'<span style="color:{"#6e7681" if dark else "#a0a7b0"}">{GHOST_SEPARATOR}</span>'
 
 
 def _is_fence(line: str) -> bool:
@@ -260,8 +273,8 @@ def code_block_html(code: str, lang: str, index: int, dark: bool) -> str:
     return (
         f'<table width="100%" cellspacing="0" cellpadding="8" '
         f'style="background-color:{bg}; border:1px solid {border}; margin-top:4px; margin-bottom:4px">'
-        f'<tr><td><span style="color:{muted}; font-size:small">{label}</span>'
-        f'&nbsp;&nbsp;<a href="{COPY_SCHEME}:{index}" style="font-size:small">Copy</a>'
+        f'<tr><td><span style="color:{muted}; font-size:small" title="{CODE_LABEL_TIP}">'
+        f'{label}&nbsp;&nbsp;</span><a href="{COPY_SCHEME}:{index}" style="font-size:small">Copy</a>'
         f'<pre style="font-family:{MONO}; margin:0; white-space:pre-wrap">{body}</pre>'
         "</td></tr></table>"
     )
