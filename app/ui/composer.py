@@ -1,5 +1,8 @@
 """The message composer: multi-line input where Enter sends and Shift+Enter breaks the line.
 
+Escape stops the open chat's reply, or leaves an edit; Up in an empty box edits the last
+message sent, as in Slack or Messages (Escape gives the box back).
+
 While a reply is generating in the open chat the Send button becomes Stop; in another
 chat Send waits, and a line names the chat that is replying. The composer only reports what
 the user wants (`message_submitted`); the main window decides where it goes (a chat reply
@@ -11,7 +14,7 @@ from __future__ import annotations
 import html
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtGui import QKeyEvent, QResizeEvent
+from PySide6.QtGui import QKeyEvent, QKeySequence, QResizeEvent
 from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
@@ -25,6 +28,7 @@ from PySide6.QtWidgets import (
 
 from app.ui.controller import ChatController
 
+NATIVE = QKeySequence.SequenceFormat.NativeText  # ⌘ on macOS, Ctrl elsewhere
 MAX_LINES = 8
 PLACEHOLDER = "Ask anything…  (Enter sends, Shift+Enter for a new line)"
 SHORT_PLACEHOLDER = "Ask anything…"  # where the keys' hint would wrap and be cut in half
@@ -34,6 +38,8 @@ class ComposerEdit(QPlainTextEdit):
     """A text box that grows with its content up to MAX_LINES lines."""
 
     submitted = Signal()
+    escape_pressed = Signal()
+    recall_requested = Signal()  # Up in an empty box: edit the last message sent
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -52,6 +58,12 @@ class ComposerEdit(QPlainTextEdit):
             return
         if enter:  # Shift+Enter inserts a plain newline, not a paragraph separator
             self.insertPlainText("\n")
+            return
+        if event.key() == Qt.Key.Key_Escape and not mods:
+            self.escape_pressed.emit()
+            return
+        if event.key() == Qt.Key.Key_Up and not mods and not self.toPlainText():
+            self.recall_requested.emit()
             return
         super().keyPressEvent(event)
 
@@ -92,6 +104,8 @@ class Composer(QWidget):
         self.send_button.setDefault(True)
         self.stop_button = QPushButton("Stop")
         self.stop_button.setObjectName("stopButton")
+        self.stop_button.setToolTip("Stop writing this reply (Esc, "
+                                    f"{QKeySequence('Ctrl+.').toString(NATIVE)})")
         self.stop_button.hide()
         self.editing_id: int | None = None
         self._pre_edit_draft = ""  # what the box held when an edit began
@@ -102,6 +116,7 @@ class Composer(QWidget):
         self.editing_label.setObjectName("editingHint")
         self.cancel_edit_button = QToolButton()
         self.cancel_edit_button.setText("Cancel edit")
+        self.cancel_edit_button.setToolTip("Keep the message as it was (Esc)")
         self.cancel_edit_button.clicked.connect(self.cancel_edit)
         edit_row = QHBoxLayout()
         edit_row.setContentsMargins(0, 0, 0, 0)
@@ -130,6 +145,8 @@ class Composer(QWidget):
         layout.addLayout(row)
 
         self.edit.submitted.connect(self._on_submitted)
+        self.edit.escape_pressed.connect(self._on_escape)
+        self.edit.recall_requested.connect(self.edit_last_message)
         self.send_button.clicked.connect(self._on_submitted)
         self.stop_button.clicked.connect(controller.stop)
         controller.generating_changed.connect(self._on_generating_changed)
@@ -158,6 +175,21 @@ class Composer(QWidget):
         if self.editing_id is None:
             return
         self._end_edit()
+
+    def edit_last_message(self) -> None:
+        """Edit the open chat's last message sent (nothing while a reply is written)."""
+        if self.editing_id is not None or self.controller.generating:
+            return
+        sent = [m for m in self.controller.messages() if m.role == "user"]
+        if sent:
+            self.begin_edit(sent[-1].id, sent[-1].content)
+
+    def _on_escape(self) -> None:
+        """Escape leaves an edit, else stops the reply being written here."""
+        if self.editing_id is not None:
+            self.cancel_edit()
+        elif self.controller.generating_here:
+            self.controller.stop()
 
     def _end_edit(self) -> None:
         self.editing_id = None
