@@ -196,6 +196,7 @@ class MainWindow(QMainWindow):
         self.composer.edit_submitted.connect(self._on_edit_submitted)
         self.chat_view.edit_requested.connect(self.composer.begin_edit)
         self.sidebar.export_requested.connect(self.export_conversation)
+        self.sidebar.chat_chosen.connect(self.focus_composer)
         self.settings_panel.models_requested.connect(self.show_models)
         self.chat_view.speculation_box.toggled.connect(self.comparison_view.set_show_speculation)
         self.chat_view.rejected_box.toggled.connect(self.comparison_view.set_show_rejected)
@@ -259,6 +260,10 @@ class MainWindow(QMainWindow):
         edit_menu.addAction(self.settings_action)
         self.hub_settings_action = self._action("Hugging Face Token…", self.show_hub_settings)
         edit_menu.addAction(self.hub_settings_action)
+        edit_menu.addSeparator()
+        self.find_action = self._action("Search Chats", self.search_chats,
+                                        QKeySequence.StandardKey.Find)
+        edit_menu.addAction(self.find_action)
 
         view_menu = bar.addMenu("&View")
         self.speculation_action = self._action("Show Speculation", self.chat_view.set_show_speculation,
@@ -327,6 +332,13 @@ class MainWindow(QMainWindow):
 
     def focus_composer(self) -> None:
         self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
+
+    def search_chats(self) -> None:
+        """Edit ▸ Search Chats (Ctrl/⌘+F): the chat list's search field, its text selected
+        so typing replaces it (the list is shown if it was hidden)."""
+        self.sidebar_action.setChecked(True)
+        self.sidebar.search_edit.setFocus(Qt.FocusReason.ShortcutFocusReason)
+        self.sidebar.search_edit.selectAll()
 
     diagnostics_dialog = None  # Help ▸ Diagnostics…, made on first use
     about_box: QMessageBox | None = None  # Help ▸ About Understudy, made on first use
@@ -618,7 +630,8 @@ class MainWindow(QMainWindow):
     def _on_conversation_opened(self, _messages: object) -> None:
         self._update_title()  # (the composer ends an edit and keeps drafts itself)
         self._update_stop_action()
-        self.composer.edit.setFocus()
+        if not self.sidebar.browsing:  # (arrowing through the list keeps the keyboard there)
+            self.composer.edit.setFocus()
 
     def _update_stop_action(self) -> None:
         """Chat ▸ Stop stops the open chat's reply only (as the composer's Stop)."""

@@ -2,6 +2,11 @@
 
 `ConversationListModel` is a QAbstractListModel over the store that knows no widgets;
 `Sidebar` is a thin view on it that forwards intents to the controller.
+
+From the keyboard: the arrow keys open the chat they move to, Enter opens it and hands the
+keyboard to the composer (`chat_chosen`), Delete or Backspace asks to delete it, F2 renames
+it; in the search field Down goes to the list, Enter opens the first match and Escape
+clears the search.
 """
 
 from __future__ import annotations
@@ -11,14 +16,18 @@ from typing import Any
 
 from PySide6.QtCore import (
     QAbstractListModel,
+    QEvent,
     QModelIndex,
+    QObject,
     QPersistentModelIndex,
     QPoint,
     Qt,
     Signal,
 )
+from PySide6.QtGui import QKeyEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
+    QApplication,
     QHBoxLayout,
     QLineEdit,
     QListView,
@@ -107,6 +116,7 @@ class ElidingDelegate(QStyledItemDelegate):
 
 class Sidebar(QWidget):
     export_requested = Signal(int)  # conversation id
+    chat_chosen = Signal()  # picked from the keyboard (Enter): typing goes to the composer
 
     def __init__(self, controller: ChatController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -125,6 +135,10 @@ class Sidebar(QWidget):
         self.list_view.setItemDelegate(ElidingDelegate(self.list_view))
         self.list_view.setTextElideMode(Qt.TextElideMode.ElideRight)
         self.list_view.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self._return_focus: QWidget | None = None  # where focus goes when a rename ends
+        # True while the arrow keys open a chat: the window then leaves the keyboard in the
+        # list (a chat opened otherwise hands it to the composer)
+        self.browsing = False
 
         top = QHBoxLayout()
         top.setContentsMargins(0, 0, 0, 0)
@@ -139,6 +153,11 @@ class Sidebar(QWidget):
         self.model.title_edited.connect(controller.rename_conversation)
         self.search_edit.textChanged.connect(self._on_search_changed)
         self.list_view.clicked.connect(self._on_clicked)
+        self.list_view.activated.connect(self._on_activated)
+        self.list_view.selectionModel().currentChanged.connect(self._on_current_changed)
+        self.list_view.itemDelegate().closeEditor.connect(self._on_editor_closed)
+        self.list_view.installEventFilter(self)
+        self.search_edit.installEventFilter(self)
         self.list_view.customContextMenuRequested.connect(self._on_context_menu)
         controller.conversations_changed.connect(self._on_conversations_changed)
         controller.conversation_opened.connect(self._on_conversation_opened)
@@ -155,8 +174,18 @@ class Sidebar(QWidget):
         self._select_current()
 
     def _on_conversations_changed(self) -> None:
+        # a rename typed in the list resets the model under its editor, which threw the
+        # keyboard to the next widget in the window (the comparison toggle)
+        had_focus = self._holds_focus()
         self.model.refresh()
         self._select_current()
+        if had_focus and not self._holds_focus():
+            self.list_view.setFocus(Qt.FocusReason.OtherFocusReason)
+
+    def _holds_focus(self) -> bool:
+        focus = QApplication.focusWidget()
+        return focus is not None and (focus is self.list_view
+                                      or self.list_view.isAncestorOf(focus))
 
     def _on_conversation_opened(self, _messages: object) -> None:
         self._select_current()
@@ -166,18 +195,80 @@ class Sidebar(QWidget):
         if conversation_id is not None and conversation_id != self.controller.conversation_id:
             self.controller.open_conversation(int(conversation_id))
 
+    def _on_current_changed(self, current: QModelIndex, _previous: QModelIndex) -> None:
+        """The arrow keys open the chat they land on (the model's own resets and
+        `_select_current` move the current row too, without the user: not then)."""
+        if current.isValid() and self.list_view.hasFocus():
+            self.browsing = True  # the keyboard stays in the list (see `browsing`)
+            try:
+                self._on_clicked(current)
+            finally:
+                self.browsing = False
+
+    def _on_activated(self, index: QModelIndex) -> None:
+        self._on_clicked(index)
+        self.chat_chosen.emit()
+
+    def eventFilter(self, watched: QObject, event: QEvent) -> bool:  # noqa: N802 - Qt override
+        if event.type() == QEvent.Type.KeyPress and isinstance(event, QKeyEvent):
+            if watched is self.list_view:
+                return self._list_key(event)
+            if watched is self.search_edit:
+                return self._search_key(event)
+        return super().eventFilter(watched, event)
+
+    def _list_key(self, event: QKeyEvent) -> bool:
+        index = self.list_view.currentIndex()
+        editing = self.list_view.state() == QAbstractItemView.State.EditingState
+        if (event.key() in (Qt.Key.Key_Delete, Qt.Key.Key_Backspace) and index.isValid()
+                and not editing):
+            self.confirm_delete(int(index.data(ConversationIdRole)))
+            return True
+        return False
+
+    def _search_key(self, event: QKeyEvent) -> bool:
+        key = event.key()
+        if key == Qt.Key.Key_Escape:
+            self.search_edit.clear()
+            self.chat_chosen.emit()
+            return True
+        if self.model.rowCount() == 0:
+            return False
+        if key == Qt.Key.Key_Down:
+            self.list_view.setFocus(Qt.FocusReason.TabFocusReason)
+            self.list_view.setCurrentIndex(self.model.index(0))
+            return True
+        if key in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
+            self._on_activated(self.model.index(0))
+            return True
+        return False
+
     def rename(self, conversation_id: int) -> None:
+        """Edit the title in place; the keyboard goes back where it was when it ends."""
         row = self.model.row_of(conversation_id)
         if row >= 0:
+            focus = QApplication.focusWidget()
+            self._return_focus = None if focus is None or self._holds_focus() else focus
             self.list_view.edit(self.model.index(row))
 
+    def _on_editor_closed(self, *_: object) -> None:
+        back, self._return_focus = self._return_focus, None
+        if back is not None and QApplication.focusWidget() in (None, self.list_view):
+            back.setFocus(Qt.FocusReason.OtherFocusReason)
+
     def confirm_delete(self, conversation_id: int) -> None:
+        """Ask before deleting, with the safe answer the default (Enter keeps the chat)."""
         conv = self.controller.store.conversation(conversation_id)
         if conv is None:
             return
-        answer = QMessageBox.question(self, "Delete chat",
-                                      f"Delete “{conv.title}” and all its messages?")
-        if answer == QMessageBox.StandardButton.Yes:
+        box = QMessageBox(QMessageBox.Icon.Warning, "Delete Chat",
+                          f"Delete “{conv.title}”?", parent=self)
+        box.setInformativeText("Its messages are deleted too. This cannot be undone.")
+        box.setStandardButtons(QMessageBox.StandardButton.Yes
+                               | QMessageBox.StandardButton.Cancel)
+        box.button(QMessageBox.StandardButton.Yes).setText("Delete")
+        box.setDefaultButton(QMessageBox.StandardButton.Cancel)
+        if box.exec() == QMessageBox.StandardButton.Yes:
             self.controller.delete_conversation(conversation_id)
 
     def _on_context_menu(self, pos: QPoint) -> None:

@@ -620,7 +620,7 @@ def test_sidebar_search_rename_delete_and_export(qtbot, make_gui, tiny_pair, tmp
 
     from PySide6.QtWidgets import QMessageBox
 
-    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.StandardButton.Yes)
+    monkeypatch.setattr(QMessageBox, "exec", lambda *a, **k: QMessageBox.StandardButton.Yes)
     current = gui.controller.conversation_id
     sidebar.confirm_delete(current)
     assert gui.store.conversation(current) is None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
+from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QTextCursor
+from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.store import STOPPED
 from app.ui.chat_view import TokenBrowser
@@ -73,3 +74,89 @@ def test_escape_stops_the_reply_and_up_edits_the_last_message(qtbot, make_gui, t
     assert not composer.edit_row.isVisible()
     assert [m.id for m in gui.controller.messages()] == [user.id, reply.id]
     assert not gui.controller.generating
+
+
+def two_chats(qtbot, gui) -> tuple[int, int]:
+    """Two chats, "Python decorators" and the newer "Sourdough bread" (open)."""
+    ids = []
+    for text in ("Python decorators", "Sourdough bread"):
+        gui.controller.new_conversation()
+        gui.controller.send(text)
+        wait_idle(qtbot, gui)
+        ids.append(gui.controller.conversation_id)
+    return ids[0], ids[1]
+
+
+def answer_next_box(qtbot, *, check, key: Qt.Key, button=None) -> None:
+    """When the next modal box opens, run `check` on it and press `key` (on `button`)."""
+
+    def answer() -> None:
+        box = QApplication.activeModalWidget()
+        assert isinstance(box, QMessageBox)
+        check(box)
+        qtbot.keyClick(box.button(button) if button is not None else box, key)
+
+    QTimer.singleShot(0, answer)
+
+
+def test_chats_are_searched_opened_renamed_and_deleted_from_the_keyboard(
+        qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    python, bread = two_chats(qtbot, gui)
+    window, sidebar = gui.window, gui.window.sidebar
+    edit, lst = window.composer.edit, sidebar.list_view
+    edit.setFocus()
+
+    # Ctrl+F searches; Enter opens the first match and hands the keyboard back
+    qtbot.keyClick(edit, Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)
+    assert QApplication.focusWidget() is sidebar.search_edit
+    qtbot.keyClicks(sidebar.search_edit, "python")
+    qtbot.keyClick(sidebar.search_edit, Qt.Key.Key_Return)
+    assert gui.controller.conversation_id == python
+    assert QApplication.focusWidget() is edit
+    # Escape in the search field clears it and goes back to the composer
+    qtbot.keyClick(edit, Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)
+    qtbot.keyClick(sidebar.search_edit, Qt.Key.Key_Escape)
+    assert sidebar.search_edit.text() == "" and sidebar.model.rowCount() == 2
+    assert QApplication.focusWidget() is edit
+
+    # Down goes from the search field to the list; the arrows open what they land on
+    qtbot.keyClick(edit, Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)
+    qtbot.keyClick(sidebar.search_edit, Qt.Key.Key_Down)
+    assert QApplication.focusWidget() is lst and gui.controller.conversation_id == bread
+    qtbot.keyClick(lst, Qt.Key.Key_Down)
+    assert gui.controller.conversation_id == python
+    assert window.chat_view.cards[0].message.content == "Python decorators"
+    qtbot.keyClick(lst, Qt.Key.Key_Up)
+    assert gui.controller.conversation_id == bread
+
+    # F2 renames in place; Enter keeps the new title and the keyboard stays in the list
+    qtbot.keyClick(lst, Qt.Key.Key_F2)
+    qtbot.keyClicks(QApplication.focusWidget(), "Bread")
+    qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: gui.store.conversation(bread).title == "Bread")  # (queued)
+    assert QApplication.focusWidget() is lst
+    # Chat ▸ Rename Chat… from the composer: the keyboard comes back to the composer
+    edit.setFocus()
+    window._rename_current()
+    qtbot.keyClicks(QApplication.focusWidget(), "Rye bread")
+    qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Return)
+    qtbot.waitUntil(lambda: gui.store.conversation(bread).title == "Rye bread")
+    assert window.title_label.text() == "Rye bread"
+    assert QApplication.focusWidget() is edit
+
+    # Delete asks first, and Enter is the safe answer
+    def named_buttons(box: QMessageBox) -> None:
+        assert box.defaultButton() is box.button(QMessageBox.StandardButton.Cancel)
+        assert box.button(QMessageBox.StandardButton.Yes).text() == "Delete"
+        assert "Rye bread" in box.text()
+
+    lst.setFocus()
+    answer_next_box(qtbot, check=named_buttons, key=Qt.Key.Key_Return)
+    qtbot.keyClick(lst, Qt.Key.Key_Delete)
+    assert gui.store.conversation(bread) is not None
+    answer_next_box(qtbot, check=named_buttons, key=Qt.Key.Key_Space,
+                    button=QMessageBox.StandardButton.Yes)
+    qtbot.keyClick(lst, Qt.Key.Key_Backspace)
+    assert gui.store.conversation(bread) is None
+    assert sidebar.model.rowCount() == 1
