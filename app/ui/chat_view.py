@@ -13,7 +13,14 @@ from collections.abc import Sequence
 from math import ceil
 
 from PySide6.QtCore import QEvent, QMimeData, QPoint, Qt, QTimer, QUrl, Signal
-from PySide6.QtGui import QGuiApplication, QResizeEvent, QTextCursor, QTextDocument, QTextOption
+from PySide6.QtGui import (
+    QFont,
+    QGuiApplication,
+    QResizeEvent,
+    QTextCursor,
+    QTextDocument,
+    QTextOption,
+)
 from PySide6.QtWidgets import (
     QCheckBox,
     QFrame,
@@ -350,6 +357,7 @@ class ChatView(QWidget):
         self.cards: list[MessageCard] = []
         self._dirty: set[int] = set()
         self._follow = True
+        self.text_font: QFont | None = None  # the messages' font when zoomed (else the app's)
 
         self.legend = Legend()
         self.speculation_box = QCheckBox("Show speculation")
@@ -449,6 +457,13 @@ class ChatView(QWidget):
             self._fit_headers()
         return super().eventFilter(watched, event)
 
+    def set_text_font(self, font: QFont) -> None:
+        """The messages' font (View ▸ Zoom), for the cards shown and those to come: set on
+        each card's text, as a style-sheeted card does not pass its parent's font on."""
+        self.text_font = QFont(font)
+        for card in self.cards:
+            card.browser.setFont(self.text_font)
+
     def _fit_headers(self) -> None:
         margins = self.column_layout.contentsMargins()
         width = self.scroll.viewport().width() - margins.left() - margins.right()
@@ -529,6 +544,8 @@ class ChatView(QWidget):
 
     def _append_card(self, message: Message) -> MessageCard:
         card = MessageCard(message, self)
+        if self.text_font is not None:
+            card.browser.setFont(self.text_font)
         card.copy_requested.connect(self._on_copy_requested)
         card.edit_requested.connect(self._on_edit_requested)
         card.regenerate_requested.connect(self._on_regenerate_requested)

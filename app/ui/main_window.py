@@ -1,9 +1,9 @@
 """The main window: conversations | chat (or comparison) + composer | gauge + settings.
 
 It assembles the views around one `ChatController`, owns the menu bar (native on macOS:
-⌘N new chat, ⌘W close, ⌘, settings, ⌘. stop, ⌘⇧M models), shows engine errors in a
-dismissable banner, and keeps window geometry, splitter sizes, view toggles and chat
-settings in QSettings. The model manager (`ModelsController`, its panel and the Hugging
+⌘N new chat, ⌘W close, ⌘, settings, ⌘. stop, ⌘⇧M models, ⌘F search chats, ⌘+ ⌘- ⌘0
+text size), shows engine errors in a dismissable banner, and keeps window geometry, splitter
+sizes, view toggles, the text size and chat settings in QSettings. The model manager (`ModelsController`, its panel and the Hugging
 Face settings) is built on first use, so a window that never opens it never touches the
 keychain or the network.
 """
@@ -37,6 +37,7 @@ from PySide6.QtWidgets import (
 
 from app.hub.api import format_bytes
 from app.store import Message
+from app.ui import zoom
 from app.ui.chat_view import ChatView
 from app.ui.comparison import ComparisonView
 from app.ui.composer import Composer
@@ -126,6 +127,7 @@ class MainWindow(QMainWindow):
         self._library_error = ""  # the banner's message when a library action set it
         self.import_name_dialog: QInputDialog | None = None  # asking a taken import name anew
         self.train_dialog: TrainDrafterDialog | None = None  # made on first use
+        self.zoom = zoom.DEFAULT  # the conversation's text size (View ▸ Zoom In/Out)
 
         self.title_label = ElidedLabel("New chat")  # a long title never widens the window
         self.title_label.setObjectName("chatTitle")
@@ -283,8 +285,18 @@ class MainWindow(QMainWindow):
         self.panel_action = self._action("Show Side Panel", self.side_panel.setVisible,
                                          "Ctrl+Shift+P", checkable=True)
         self.panel_action.setChecked(True)
+        self.zoom_in_action = self._action("Zoom In",
+                                           lambda: self.set_zoom(zoom.step(self.zoom, 1)))
+        # Ctrl+= too: the + key needs Shift on most layouts, and browsers take both
+        self.zoom_in_action.setShortcuts([QKeySequence.StandardKey.ZoomIn, QKeySequence("Ctrl+=")])
+        self.zoom_out_action = self._action("Zoom Out",
+                                            lambda: self.set_zoom(zoom.step(self.zoom, -1)),
+                                            QKeySequence.StandardKey.ZoomOut)
+        self.actual_size_action = self._action("Actual Size", lambda: self.set_zoom(zoom.DEFAULT),
+                                               "Ctrl+0")
         for action in (self.speculation_action, self.rejected_action, self.compare_action,
-                       None, self.sidebar_action, self.panel_action):
+                       None, self.sidebar_action, self.panel_action, None, self.zoom_in_action,
+                       self.zoom_out_action, self.actual_size_action):
             view_menu.addSeparator() if action is None else view_menu.addAction(action)
 
         chat_menu = bar.addMenu("&Chat")
@@ -329,6 +341,18 @@ class MainWindow(QMainWindow):
         self.compare_button.setEnabled(enabled)
         self.compare_action.setEnabled(enabled)
         self.compare_button.setToolTip(COMPARE_TIP if enabled else COMPARE_BUSY_TIP)
+
+    def set_zoom(self, factor: float) -> None:
+        """The conversation's text size (View ▸ Zoom In/Out, Actual Size)."""
+        self.zoom = factor
+        font = zoom.scaled(self.font(), factor)
+        self.chat_view.set_text_font(font)
+        for widget in (self.comparison_view.speculative.browser,
+                       self.comparison_view.plain.browser, self.composer.edit):
+            widget.setFont(font)
+        self.zoom_in_action.setEnabled(factor < zoom.LEVELS[-1])
+        self.zoom_out_action.setEnabled(factor > zoom.LEVELS[0])
+        self.actual_size_action.setEnabled(factor != zoom.DEFAULT)
 
     def focus_composer(self) -> None:
         self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
@@ -656,6 +680,7 @@ class MainWindow(QMainWindow):
         self.chat_view.set_show_speculation(_as_bool(qs.value("view/speculation", True)))
         self.chat_view.set_show_rejected(_as_bool(qs.value("view/rejected", True)))
         self.set_comparison_mode(_as_bool(qs.value("view/comparison", False)))
+        self.set_zoom(zoom.nearest(qs.value("view/zoom", zoom.DEFAULT)))
 
     def save_state(self) -> None:
         qs = self.qsettings
@@ -664,6 +689,7 @@ class MainWindow(QMainWindow):
         qs.setValue("view/speculation", self.chat_view.show_speculation)
         qs.setValue("view/rejected", self.chat_view.show_rejected)
         qs.setValue("view/comparison", self.comparison_mode)
+        qs.setValue("view/zoom", self.zoom)
         qs.setValue("chat/settings", json.dumps(self.controller.settings.as_dict()))
         if self.controller.conversation_id is not None:
             qs.setValue("chat/last_conversation", self.controller.conversation_id)

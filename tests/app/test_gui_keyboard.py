@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from PySide6.QtCore import Qt, QTimer
 from PySide6.QtGui import QGuiApplication, QTextCursor
 from PySide6.QtWidgets import QApplication, QMessageBox
@@ -160,3 +161,44 @@ def test_chats_are_searched_opened_renamed_and_deleted_from_the_keyboard(
     qtbot.keyClick(lst, Qt.Key.Key_Backspace)
     assert gui.store.conversation(bread) is None
     assert sidebar.model.rowCount() == 1
+
+
+def test_zoom_keys_size_the_conversations_text_and_are_kept(qtbot, make_gui, tiny_pair) -> None:
+    settings = plain_settings(tiny_pair[0], max_tokens=4)
+    gui = make_gui(settings)
+    window, edit = gui.window, gui.window.composer.edit
+    send_by_keyboard(qtbot, gui, "Hello")
+    wait_idle(qtbot, gui)
+    card = window.chat_view.cards[-1]
+    base = window.font().pointSizeF()
+
+    def size(widget) -> float:
+        return widget.font().pointSizeF() / base
+
+    def doc_size() -> float:
+        return card.document().defaultFont().pointSizeF() / base
+
+    ctrl = Qt.KeyboardModifier.ControlModifier
+    qtbot.keyClick(edit, Qt.Key.Key_Plus, ctrl)
+    assert doc_size() == pytest.approx(1.1) and size(edit) == pytest.approx(1.1)
+    qtbot.keyClick(edit, Qt.Key.Key_Equal, ctrl)  # the unshifted key works too
+    assert doc_size() == pytest.approx(1.25)
+    assert size(window.comparison_view.plain.browser) == pytest.approx(1.25)
+    assert window.settings_panel.font().pointSizeF() == base  # the side panel keeps its size
+    height = card.browser.height()
+    send_by_keyboard(qtbot, gui, "Again")  # new cards are as large
+    wait_idle(qtbot, gui)
+    assert window.chat_view.cards[-1].document().defaultFont().pointSizeF() / base == \
+        pytest.approx(1.25)
+    for _ in range(10):
+        qtbot.keyClick(edit, Qt.Key.Key_Minus, ctrl)
+    assert doc_size() == pytest.approx(0.8) and not window.zoom_out_action.isEnabled()
+    assert card.browser.height() < height  # the card shrank with its text
+    qtbot.keyClick(edit, Qt.Key.Key_0, ctrl)
+    assert doc_size() == pytest.approx(1.0) and not window.actual_size_action.isEnabled()
+
+    qtbot.keyClick(edit, Qt.Key.Key_Plus, ctrl)
+    window.close()  # saves the size; the next window opens with it
+    again = make_gui(settings)
+    assert again.window.zoom == pytest.approx(1.1)
+    assert again.window.composer.edit.font().pointSizeF() / base == pytest.approx(1.1)
