@@ -8,18 +8,18 @@ re-tests every kernel on this device.
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
 from PySide6.QtGui import QFontDatabase
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QPlainTextEdit, QPushButton, QVBoxLayout, QWidget
 
+from app.ui.tool_window import ToolWindow
 from app.ui.worker import EngineHost
 
 
-class DiagnosticsDialog(QWidget):
+class DiagnosticsDialog(ToolWindow):
     """A tool window over the engine host's `doctor_reported` signal."""
 
     def __init__(self, host: EngineHost, parent: QWidget | None = None) -> None:
-        super().__init__(parent, Qt.WindowType.Tool)
+        super().__init__(parent)
         self.host = host
         self.setWindowTitle("Diagnostics")
         self.status = QLabel()

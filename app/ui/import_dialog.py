@@ -14,13 +14,14 @@ from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QInputDialog, QLabel, QProgressBar, QVBoxLayout, QWidget
 
 from app.ui.models_controller import ModelsController
+from app.ui.tool_window import ToolWindow
 
 
-class ImportProgressDialog(QWidget):
+class ImportProgressDialog(ToolWindow):
     """A small tool window: the file being imported and a tensors-done bar."""
 
     def __init__(self, controller: ModelsController, parent: QWidget | None = None) -> None:
-        super().__init__(parent, Qt.WindowType.Tool)
+        super().__init__(parent)
         self.setWindowTitle("Importing model")
         self.source = Path()
         self.label = QLabel()

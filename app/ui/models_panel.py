@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from PySide6.QtCore import QAbstractTableModel, Qt, Signal
+from PySide6.QtGui import QShowEvent
 from PySide6.QtWidgets import (
     QAbstractItemView,
     QCheckBox,
@@ -113,6 +114,14 @@ class ModelsPanel(QDialog):
         c.offline_changed.connect(self._on_offline_changed)
         self._on_offline_changed(c.offline)
         c.refresh_library()
+
+    def showEvent(self, event: QShowEvent) -> None:  # noqa: N802 - Qt override
+        """Opened, the keyboard is where the tab's work starts: the hub's search field, or
+        the tab's table (it landed on the tab bar)."""
+        super().showEvent(event)
+        tab = self.tabs.currentIndex()
+        target = (self.search_edit, self.library_view, self.pairs_view)[tab]
+        target.setFocus(Qt.FocusReason.ActiveWindowFocusReason)
 
     # -- construction ------------------------------------------------------------------------
     def _build_hub_tab(self) -> QWidget:

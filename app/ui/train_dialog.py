@@ -9,7 +9,6 @@ checkpoint, and starting again resumes from it.
 
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
 from PySide6.QtGui import QResizeEvent, QShowEvent
 from PySide6.QtWidgets import (
     QDoubleSpinBox,
@@ -23,16 +22,17 @@ from PySide6.QtWidgets import (
 )
 
 from app.ui.controller import ChatController
+from app.ui.tool_window import ToolWindow
 
 PHASES = {"data": "Writing practice replies", "train": "Training",
           "checkpoint": "Training (checkpoint saved)", "done": "Done"}
 
 
-class TrainDrafterDialog(QWidget):
+class TrainDrafterDialog(ToolWindow):
     """A small tool window over the engine host's training signals."""
 
     def __init__(self, controller: ChatController, parent: QWidget | None = None) -> None:
-        super().__init__(parent, Qt.WindowType.Tool)
+        super().__init__(parent)
         self.controller = controller
         self.setWindowTitle("Train a drafter")
         self.intro = QLabel()

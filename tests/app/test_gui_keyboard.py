@@ -202,3 +202,28 @@ def test_zoom_keys_size_the_conversations_text_and_are_kept(qtbot, make_gui, tin
     again = make_gui(settings)
     assert again.window.zoom == pytest.approx(1.1)
     assert again.window.composer.edit.font().pointSizeF() / base == pytest.approx(1.1)
+
+
+def test_windows_open_with_the_keyboard_in_place_and_escape_closes_them(
+        qtbot, make_gui, tiny_pair, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the Models panel searches nothing
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+    window = gui.window
+
+    panel = window.show_models()
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is panel.search_edit)
+    qtbot.keyClick(panel.search_edit, Qt.Key.Key_Escape)
+    assert not panel.isVisible()
+
+    window.show_train_drafter()
+    train = window.train_dialog
+    qtbot.waitUntil(train.isVisible)
+    qtbot.keyClick(train.minutes, Qt.Key.Key_Escape)  # from its field, as from a dialog's
+    assert not train.isVisible()
+
+    window.show_diagnostics()
+    diagnostics = window.diagnostics_dialog
+    qtbot.waitUntil(diagnostics.isVisible)
+    qtbot.keyClick(diagnostics.report, Qt.Key.Key_Escape)
+    assert not diagnostics.isVisible()
+    qtbot.waitUntil(lambda: diagnostics.recheck_button.isEnabled(), timeout=TIMEOUT)  # (ends)
