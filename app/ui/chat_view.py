@@ -181,6 +181,10 @@ class MessageCard(QFrame):
         self.role_label = QLabel("You" if message.role == "user" else "Assistant")
         self.role_label.setObjectName("roleLabel")
         self.browser = TokenBrowser()
+        # what a screen reader says on reaching the text, and on each action of the card
+        # ("Copy" alone is one of many in the column)
+        what = "your message" if message.role == "user" else "the assistant's reply"
+        self.browser.setAccessibleName(what[0].upper() + what[1:])
         self.footer = QLabel("")
         self.footer.setObjectName("messageFooter")
         self.footer.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
@@ -199,18 +203,19 @@ class MessageCard(QFrame):
         self.actions = QHBoxLayout()
         self.actions.setContentsMargins(0, 0, 0, 0)
         self.actions.addStretch(1)
-        self.copy_button = self._action("Copy", "Copy this message", self.copy_requested)
+        self.copy_button = self._action("Copy", "Copy this message", self.copy_requested, what)
         self.actions.addWidget(self.copy_button)
         if message.role == "user":
-            self.actions.addWidget(self._action("Edit", "Edit and resend", self.edit_requested))
+            self.actions.addWidget(self._action("Edit", "Edit and resend", self.edit_requested,
+                                                what))
         else:
             self.continue_button = self._action(
                 "Continue", "Write on from where this reply was cut short",
-                self.continue_requested)
+                self.continue_requested, what)
             self.continue_button.hide()  # the view shows it on a last reply cut short
             self.actions.addWidget(self.continue_button)
             self.regenerate_button = self._action("Regenerate", REGENERATE_TIP,
-                                                  self.regenerate_requested)
+                                                  self.regenerate_requested, what)
             self.actions.addWidget(self.regenerate_button)
         self.actions_row = 0
         self.header.addLayout(self.actions, 0, 1)
@@ -238,10 +243,11 @@ class MessageCard(QFrame):
                 self.header.addLayout(self.actions, 1, 0, 1, 2)
             self.actions_row = row
 
-    def _action(self, text: str, tip: str, signal) -> QToolButton:
+    def _action(self, text: str, tip: str, signal, what: str) -> QToolButton:
         button = QToolButton()
         button.setText(text)
         button.setToolTip(tip)
+        button.setAccessibleName(f"{text} {what}")
         button.setAutoRaise(True)
         button.clicked.connect(lambda: signal.emit(self.message.id))
         return button

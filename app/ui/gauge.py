@@ -91,6 +91,7 @@ class Sparkline(QWidget):
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.values: list[float] = []
+        self.setAccessibleName("Speed over the reply")  # a drawing: say what it shows
         self.setMinimumHeight(36)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
 
@@ -99,6 +100,10 @@ class Sparkline(QWidget):
 
     def set_values(self, values: list[float]) -> None:
         self.values = list(values)
+        summary = (f"tokens/s from {min(values):.1f} to {max(values):.1f}, now {values[-1]:.1f}"
+                   if values else "")
+        self.setAccessibleDescription(summary)
+        self.setToolTip(summary)
         self.update()
 
     def paintEvent(self, event) -> None:  # noqa: N802 - Qt override

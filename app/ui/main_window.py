@@ -79,10 +79,11 @@ class ErrorBanner(QFrame):
         self.label = QLabel()
         self.label.setWordWrap(True)
         self.label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        close = QToolButton()
+        self.close_button = close = QToolButton()
         close.setText("✕")
         close.setAutoRaise(True)
         close.setToolTip("Dismiss")
+        close.setAccessibleName("Dismiss message")  # "✕" says nothing to a screen reader
         close.clicked.connect(self.hide)
         layout = QHBoxLayout(self)
         layout.setContentsMargins(12, 6, 6, 6)

@@ -2,8 +2,9 @@
 
 Qt already gives each platform its palette (and on macOS switches it live); we only add a
 small style sheet (`resources/app.qss`) written with `palette(...)` references so it
-follows along, and a test of whether the current palette is dark, which the token colours
-and code highlighting need.
+follows along, plus `resources/app-dark.qss` while the palette is dark (the error banner's
+fixed colours, the Stop button's red), and a test of whether the current palette is dark,
+which the token colours and code highlighting need.
 """
 
 from __future__ import annotations
@@ -27,10 +28,12 @@ def widget_is_dark(widget: QWidget) -> bool:
     return is_dark(widget.palette())
 
 
-def style_sheet() -> str:
-    """The app's style sheet (palette-relative, so one sheet serves light and dark)."""
+def style_sheet(dark: bool | None = None) -> str:
+    """The app's style sheet for the palette showing (`dark`: default, the app's)."""
+    dark = is_dark() if dark is None else dark
+    sheets = ("app.qss", "app-dark.qss") if dark else ("app.qss",)
     try:
-        return resource_path("app.qss").read_text(encoding="utf-8")
+        return "\n".join(resource_path(name).read_text(encoding="utf-8") for name in sheets)
     except FileNotFoundError:
         return ""
 
@@ -39,12 +42,13 @@ class _PaletteWatcher(QObject):
     """Re-applies the style sheet when the system palette changes (light <-> dark).
 
     Qt resolves `palette(...)` in a style sheet when the sheet is set, so without this the
-    message cards would keep their light backgrounds after the system turns dark.
+    message cards would keep their light backgrounds after the system turns dark; and the
+    dark sheet comes or goes.
     """
 
     def eventFilter(self, obj: QObject, event: QEvent) -> bool:  # noqa: N802 - Qt override
         if event.type() == QEvent.Type.ApplicationPaletteChange and isinstance(obj, QApplication):
-            obj.setStyleSheet(obj.styleSheet())
+            obj.setStyleSheet(style_sheet())
         return False
 
 

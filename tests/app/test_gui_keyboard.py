@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
-from PySide6.QtCore import Qt, QTimer
-from PySide6.QtGui import QGuiApplication, QTextCursor
+from PySide6.QtCore import QPoint, QRect, Qt, QTimer
+from PySide6.QtGui import QColor, QGuiApplication, QPalette, QTextCursor
 from PySide6.QtWidgets import QApplication, QMessageBox
 
 from app.store import STOPPED
 from app.ui.chat_view import TokenBrowser
+from app.ui.theme import apply_theme
 from app.ui.token_render import user_message_html
 from tests.app.test_gui import TIMEOUT, plain_settings, send_by_keyboard, wait_idle
 from tests.app.test_tree_gui import STEPS, TEXT
@@ -227,3 +230,77 @@ def test_windows_open_with_the_keyboard_in_place_and_escape_closes_them(
     qtbot.keyClick(diagnostics.report, Qt.Key.Key_Escape)
     assert not diagnostics.isVisible()
     qtbot.waitUntil(lambda: diagnostics.recheck_button.isEnabled(), timeout=TIMEOUT)  # (ends)
+
+
+def dark_palette() -> QPalette:
+    """A dark palette as a desktop's dark mode gives (the offscreen platform has none)."""
+    pal = QPalette()
+    role = QPalette.ColorRole
+    for r, color in ((role.Window, "#2b2b2b"), (role.WindowText, "#e6e6e6"),
+                     (role.Base, "#1e1e1e"), (role.AlternateBase, "#323232"),
+                     (role.Text, "#e6e6e6"), (role.Button, "#3a3a3a"),
+                     (role.ButtonText, "#e6e6e6"), (role.Mid, "#555555"),
+                     (role.Midlight, "#444444"), (role.PlaceholderText, "#8a8a8a")):
+        pal.setColor(r, QColor(color))
+    return pal
+
+
+def contrast(a: QColor, b: QColor) -> float:
+    """WCAG's contrast ratio of two colours."""
+
+    def lum(c: QColor) -> float:
+        def ch(v: float) -> float:
+            return v / 12.92 if v <= 0.03928 else ((v + 0.055) / 1.055) ** 2.4
+        return 0.2126 * ch(c.redF()) + 0.7152 * ch(c.greenF()) + 0.0722 * ch(c.blueF())
+
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def glyph_contrast(widget) -> float:
+    """The strongest contrast between a pixel of `widget` as its window shows it and its
+    background (the colour most of its pixels inside its frame have)."""
+    window = widget.window()
+    image = window.grab(QRect(widget.mapTo(window, QPoint(0, 0)), widget.size())).toImage()
+    pixels = [image.pixel(x, y) for x in range(3, image.width() - 3)
+              for y in range(3, image.height() - 3)]
+    background = QColor.fromRgb(Counter(pixels).most_common(1)[0][0])
+    return max(contrast(QColor.fromRgb(p), background) for p in set(pixels))
+
+
+@pytest.mark.parametrize("dark", [False, True], ids=["light", "dark"])
+def test_the_error_banner_and_stop_button_read_in_light_and_dark(
+        qtbot, make_gui, tiny_pair, dark, screenshots_dir) -> None:
+    app = QApplication.instance()
+    before = app.palette()
+    if dark:
+        app.setPalette(dark_palette())
+    try:
+        gui = make_gui(plain_settings(tiny_pair[0], max_tokens=4))
+        window = gui.window
+        window.banner.show_message("Could not load model: the file is damaged")
+        qtbot.waitUntil(window.banner.close_button.isVisible)
+        assert window.banner.close_button.accessibleName() == "Dismiss message"
+        assert glyph_contrast(window.banner.close_button) >= 3.0  # the ✕ was invisible
+        assert glyph_contrast(window.banner.label) >= 4.5
+        window.composer.stop_button.show()
+        assert glyph_contrast(window.composer.stop_button) >= 3.0
+        window.composer.stop_button.hide()
+        window.grab().save(str(screenshots_dir / f"banner_{'dark' if dark else 'light'}.png"))
+    finally:
+        app.setPalette(before)
+        apply_theme(app)
+
+
+def test_controls_that_show_no_words_have_names_for_a_screen_reader(qtbot, make_gui,
+                                                                    tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=8))
+    send_by_keyboard(qtbot, gui, "Hello")
+    wait_idle(qtbot, gui)
+    user, reply = gui.window.chat_view.cards
+    assert user.copy_button.accessibleName() == "Copy your message"  # one "Copy" of many
+    assert reply.regenerate_button.accessibleName() == "Regenerate the assistant's reply"
+    assert reply.browser.accessibleName() == "The assistant's reply"
+    spark = gui.window.gauge.sparkline  # a drawing: its name and what it shows
+    assert spark.accessibleName() == "Speed over the reply"
+    assert spark.accessibleDescription().startswith("tokens/s from ")
