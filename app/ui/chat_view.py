@@ -252,6 +252,11 @@ class MessageCard(QFrame):
         button.clicked.connect(lambda: signal.emit(self.message.id))
         return button
 
+    def focus_order(self) -> list[QWidget]:
+        """The card's widgets that Tab stops at, in order: its actions, then its text."""
+        buttons = [self.actions.itemAt(i).widget() for i in range(self.actions.count())]
+        return [b for b in buttons if b is not None] + [self.browser]
+
     @property
     def message_id(self) -> int:
         return self.message.id
@@ -557,6 +562,12 @@ class ChatView(QWidget):
         card.regenerate_requested.connect(self._on_regenerate_requested)
         card.continue_requested.connect(self.controller.continue_reply)
         self.column_layout.insertWidget(self.column_layout.count() - 1, card)
+        # Tab reaches the card after the one above it, before the composer (a new widget
+        # joins the end of the window's chain: after the side panel)
+        previous = self.cards[-1].focus_order()[-1] if self.cards else self.scroll
+        for widget in card.focus_order():
+            QWidget.setTabOrder(previous, widget)
+            previous = widget
         self.cards.append(card)
         return card
 

@@ -121,6 +121,7 @@ class SettingsPanel(QWidget):
         self.system_prompt = QPlainTextEdit()
         self.system_prompt.setPlaceholderText("Optional instructions for every reply")
         self.system_prompt.setFixedHeight(80)
+        self.system_prompt.setTabChangesFocus(True)  # Tab typed a tab and held the keyboard
         self.model_status = QLabel("")
         self.model_status.setObjectName("modelStatus")
         self.model_status.setWordWrap(True)

@@ -304,3 +304,32 @@ def test_controls_that_show_no_words_have_names_for_a_screen_reader(qtbot, make_
     spark = gui.window.gauge.sparkline  # a drawing: its name and what it shows
     assert spark.accessibleName() == "Speed over the reply"
     assert spark.accessibleDescription().startswith("tokens/s from ")
+
+
+def test_tab_goes_through_the_window_in_reading_order(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=8))
+    window, sidebar, chat, composer = (gui.window, gui.window.sidebar, gui.window.chat_view,
+                                       gui.window.composer)
+    send_by_keyboard(qtbot, gui, "Hello")
+    wait_idle(qtbot, gui)
+    user, reply = chat.cards
+    sidebar.new_button.setFocus()
+    seen = [sidebar.new_button]
+    for _ in range(80):
+        qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Tab)
+        if QApplication.focusWidget() is sidebar.new_button:
+            break  # round the window and back: nothing held the keyboard
+        seen.append(QApplication.focusWidget())
+    else:
+        pytest.fail(f"Tab never came back to the chat list; stuck at {seen[-3:]}")
+    expected = [sidebar.new_button, sidebar.search_edit, sidebar.list_view,
+                window.compare_button, chat.rejected_box, chat.speculation_box, chat.scroll,
+                user.copy_button, user.browser, reply.copy_button, reply.regenerate_button,
+                reply.browser, composer.edit, composer.send_button,
+                window.settings_panel.system_prompt]
+    at = [seen.index(w) if w in seen else -1 for w in expected]
+    assert -1 not in at, [w for w, i in zip(expected, at, strict=True) if i < 0]
+    assert at == sorted(at)  # in this order
+    # the side panel comes after the composer, and ends the round
+    assert seen.index(window.settings_panel.temperature) > at[expected.index(composer.edit)]
+    assert seen[-1] is window.settings_panel.system_prompt
