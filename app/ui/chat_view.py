@@ -54,6 +54,7 @@ from app.ui.token_render import (
 )
 from engine.events import Stats, Step
 
+COPIED_MS = 1500  # how long a card's Copy button reads "Copied"
 REGENERATE_TIP = "Generate this reply again"
 # an earlier reply: what follows it was written from it, so it goes too
 REGENERATE_EARLIER_TIP = "Generate this reply again (replaces it and everything after it)"
@@ -68,6 +69,8 @@ STATUS_TEXT = {
 
 class TokenBrowser(QTextBrowser):
     """A read-only rich-text box that is as tall as its content and shows token tooltips."""
+
+    code_copied = Signal()  # a code block's Copy link put it on the clipboard
 
     def __init__(self, parent: QWidget | None = None, *, fit_height: bool = True) -> None:
         super().__init__(parent)
@@ -137,6 +140,7 @@ class TokenBrowser(QTextBrowser):
             index = int(url.path() or "-1")
             if 0 <= index < len(self.code_blocks):
                 QGuiApplication.clipboard().setText(self.code_blocks[index])
+                self.code_copied.emit()
 
 
 def selected_text(cursor: QTextCursor) -> str:
@@ -252,6 +256,10 @@ class MessageCard(QFrame):
         button.clicked.connect(lambda: signal.emit(self.message.id))
         return button
 
+    def flash_copied(self) -> None:
+        self.copy_button.setText("Copied")
+        QTimer.singleShot(COPIED_MS, self, lambda: self.copy_button.setText("Copy"))
+
     def focus_order(self) -> list[QWidget]:
         """The card's widgets that Tab stops at, in order: its actions, then its text."""
         buttons = [self.actions.itemAt(i).widget() for i in range(self.actions.count())]
@@ -359,6 +367,7 @@ class ChatView(QWidget):
     """The scrollable list of message cards for the open conversation."""
 
     edit_requested = Signal(int, str)  # message id, its text (for the composer)
+    copied = Signal(str)  # what went to the clipboard, in words (the status bar says it)
 
     def __init__(self, controller: ChatController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -558,6 +567,7 @@ class ChatView(QWidget):
         if self.text_font is not None:
             card.browser.setFont(self.text_font)
         card.copy_requested.connect(self._on_copy_requested)
+        card.browser.code_copied.connect(lambda: self.copied.emit("Code copied"))
         card.edit_requested.connect(self._on_edit_requested)
         card.regenerate_requested.connect(self._on_regenerate_requested)
         card.continue_requested.connect(self.controller.continue_reply)
@@ -642,9 +652,12 @@ class ChatView(QWidget):
         return box.exec() == QMessageBox.StandardButton.Yes
 
     def _on_copy_requested(self, message_id: int) -> None:
+        """Copy a message; its button says so for a moment (a copy is otherwise silent)."""
         card = self.card_for(message_id)
         if card is not None:
             QGuiApplication.clipboard().setText(card.text())
+            card.flash_copied()
+            self.copied.emit("Message copied")
 
     def _on_edit_requested(self, message_id: int) -> None:
         card = self.card_for(message_id)

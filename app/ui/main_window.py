@@ -200,6 +200,7 @@ class MainWindow(QMainWindow):
         self.chat_view.edit_requested.connect(self.composer.begin_edit)
         self.sidebar.export_requested.connect(self.export_conversation)
         self.sidebar.chat_chosen.connect(self.focus_composer)
+        self.chat_view.copied.connect(lambda what: self.statusBar().showMessage(what, 3000))
         self.settings_panel.models_requested.connect(self.show_models)
         self.chat_view.speculation_box.toggled.connect(self.comparison_view.set_show_speculation)
         self.chat_view.rejected_box.toggled.connect(self.comparison_view.set_show_rejected)

@@ -333,3 +333,26 @@ def test_tab_goes_through_the_window_in_reading_order(qtbot, make_gui, tiny_pair
     # the side panel comes after the composer, and ends the round
     assert seen.index(window.settings_panel.temperature) > at[expected.index(composer.edit)]
     assert seen[-1] is window.settings_panel.system_prompt
+
+
+def test_copying_from_the_keyboard_says_it_copied(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=8))
+    window = gui.window
+    window.composer.set_text("Fix:\n```python\nprint(1)\n```")
+    qtbot.keyClick(window.composer.edit, Qt.Key.Key_Return)
+    wait_idle(qtbot, gui)
+    user, reply = window.chat_view.cards
+
+    qtbot.keyClick(reply.copy_button, Qt.Key.Key_Space)
+    assert QGuiApplication.clipboard().text() == reply.message.content
+    assert reply.copy_button.text() == "Copied"
+    assert window.statusBar().currentMessage() == "Message copied"
+    qtbot.waitUntil(lambda: reply.copy_button.text() == "Copy", timeout=3000)
+
+    # a code block's Copy link: Tab reaches it in the message's text, Enter follows it
+    user.browser.setFocus()
+    qtbot.keyClick(user.browser, Qt.Key.Key_Tab)
+    assert user.browser.textCursor().selectedText() == "Copy"
+    qtbot.keyClick(user.browser, Qt.Key.Key_Return)
+    assert QGuiApplication.clipboard().text() == "print(1)\n"
+    assert window.statusBar().currentMessage() == "Code copied"
