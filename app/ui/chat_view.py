@@ -477,6 +477,12 @@ class ChatView(QWidget):
             self._fit_headers()
         return super().eventFilter(watched, event)
 
+    def scroll_page(self, direction: int) -> None:
+        """Scroll the conversation a page up (-1) or down (+1): Page Up/Down in the composer."""
+        bar = self.scroll.verticalScrollBar()
+        bar.triggerAction(bar.SliderAction.SliderPageStepAdd if direction > 0
+                          else bar.SliderAction.SliderPageStepSub)
+
     def set_text_font(self, font: QFont) -> None:
         """The messages' font (View ▸ Zoom), for the cards shown and those to come: set on
         each card's text, as a style-sheeted card does not pass its parent's font on."""

@@ -1,7 +1,8 @@
 """The message composer: multi-line input where Enter sends and Shift+Enter breaks the line.
 
 Escape stops the open chat's reply, or leaves an edit; Up in an empty box edits the last
-message sent, as in Slack or Messages (Escape gives the box back).
+message sent, as in Slack or Messages (Escape gives the box back); Page Up and Page Down
+scroll the conversation (`page_requested`), so a long reply is read without leaving the box.
 
 While a reply is generating in the open chat the Send button becomes Stop; in another
 chat Send waits, and a line names the chat that is replying. The composer only reports what
@@ -40,6 +41,7 @@ class ComposerEdit(QPlainTextEdit):
     submitted = Signal()
     escape_pressed = Signal()
     recall_requested = Signal()  # Up in an empty box: edit the last message sent
+    page_requested = Signal(int)  # Page Up (-1) or Page Down (+1): scroll the conversation
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -64,6 +66,9 @@ class ComposerEdit(QPlainTextEdit):
             return
         if event.key() == Qt.Key.Key_Up and not mods and not self.toPlainText():
             self.recall_requested.emit()
+            return
+        if event.key() in (Qt.Key.Key_PageUp, Qt.Key.Key_PageDown) and not mods:
+            self.page_requested.emit(-1 if event.key() == Qt.Key.Key_PageUp else 1)
             return
         super().keyPressEvent(event)
 

@@ -197,6 +197,7 @@ class MainWindow(QMainWindow):
         self.compare_button.toggled.connect(lambda _on: self._update_compare_toggle())
         self.composer.message_submitted.connect(self._on_message_submitted)
         self.composer.edit_submitted.connect(self._on_edit_submitted)
+        self.composer.edit.page_requested.connect(self.chat_view.scroll_page)
         self.chat_view.edit_requested.connect(self.composer.begin_edit)
         self.sidebar.export_requested.connect(self.export_conversation)
         self.sidebar.chat_chosen.connect(self.focus_composer)

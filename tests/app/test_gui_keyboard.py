@@ -356,3 +356,20 @@ def test_copying_from_the_keyboard_says_it_copied(qtbot, make_gui, tiny_pair) ->
     qtbot.keyClick(user.browser, Qt.Key.Key_Return)
     assert QGuiApplication.clipboard().text() == "print(1)\n"
     assert window.statusBar().currentMessage() == "Code copied"
+
+
+def test_page_keys_in_the_composer_scroll_the_conversation(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=200))
+    window, edit = gui.window, gui.window.composer.edit
+    window.resize(900, 500)
+    for text in ("One", "Two"):
+        send_by_keyboard(qtbot, gui, text)
+        wait_idle(qtbot, gui)
+    bar = window.chat_view.scroll.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > bar.pageStep() and bar.value() == bar.maximum())
+    bottom = bar.maximum()
+    qtbot.keyClick(edit, Qt.Key.Key_PageUp)
+    assert bar.value() == bottom - bar.pageStep()
+    qtbot.keyClick(edit, Qt.Key.Key_PageDown)
+    assert bar.value() == bottom
+    assert QApplication.focusWidget() is edit  # the keyboard stayed in the box
