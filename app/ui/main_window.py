@@ -42,6 +42,7 @@ from app.ui.chat_view import ChatView
 from app.ui.comparison import ComparisonView
 from app.ui.composer import Composer
 from app.ui.controller import ChatController
+from app.ui.edit_menu import EditActions
 from app.ui.elided_label import ElidedLabel
 from app.ui.gauge import GaugeWidget
 from app.ui.settings_file import load_chat_settings, settings_store
@@ -275,6 +276,8 @@ class MainWindow(QMainWindow):
         file_menu.addAction(quit_action)
 
         edit_menu = bar.addMenu("&Edit")
+        self.edit_actions = EditActions(edit_menu, self)
+        edit_menu.addSeparator()
         self.settings_action = self._action("Settings…", self.show_settings, "Ctrl+,")
         self.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
         edit_menu.addAction(self.settings_action)

@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 from PySide6.QtCore import QPoint, QRect, Qt, QTimer
 from PySide6.QtGui import QColor, QGuiApplication, QPalette, QTextCursor
-from PySide6.QtWidgets import QApplication, QMessageBox
+from PySide6.QtWidgets import QApplication, QMenu, QMessageBox
 
 from app.store import STOPPED
 from app.ui.chat_view import TokenBrowser
@@ -373,3 +373,33 @@ def test_page_keys_in_the_composer_scroll_the_conversation(qtbot, make_gui, tiny
     qtbot.keyClick(edit, Qt.Key.Key_PageDown)
     assert bar.value() == bottom
     assert QApplication.focusWidget() is edit  # the keyboard stayed in the box
+
+
+def test_the_edit_menu_acts_on_what_has_the_keyboard(qtbot, make_gui, tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=8))
+    window = gui.window
+    send_by_keyboard(qtbot, gui, "Hello")
+    wait_idle(qtbot, gui)
+    items = window.edit_actions.actions
+    edit = window.composer.edit
+    edit.setFocus()
+    qtbot.keyClicks(edit, "draft text")
+    assert all(a.isEnabled() for a in items.values())
+    items["selectAll"].trigger()
+    items["cut"].trigger()
+    assert edit.toPlainText() == "" and QGuiApplication.clipboard().text() == "draft text"
+    items["paste"].trigger()
+    items["paste"].trigger()
+    assert edit.toPlainText() == "draft textdraft text"
+    items["undo"].trigger()
+    assert edit.toPlainText() == "draft text"
+
+    reply = window.chat_view.cards[-1].browser  # a message: Copy and Select All only
+    reply.setFocus()
+    assert [m for m, a in items.items() if a.isEnabled()] == ["copy", "selectAll"]
+    items["selectAll"].trigger()
+    items["copy"].trigger()
+    assert QGuiApplication.clipboard().text() == gui.controller.messages()[-1].content
+    window.sidebar.list_view.setFocus()  # no text here: nothing to do
+    assert not any(a.isEnabled() for a in items.values())
+    assert "&Edit" in [m.title() for m in window.menuBar().findChildren(QMenu)]
