@@ -278,15 +278,15 @@ class MainWindow(QMainWindow):
         edit_menu = bar.addMenu("&Edit")
         self.edit_actions = EditActions(edit_menu, self)
         edit_menu.addSeparator()
+        self.find_action = self._action("Search Chats", self.search_chats,
+                                        QKeySequence.StandardKey.Find)
+        edit_menu.addAction(self.find_action)  # where a Mac app keeps Find
+        edit_menu.addSeparator()
         self.settings_action = self._action("Settings…", self.show_settings, "Ctrl+,")
         self.settings_action.setMenuRole(QAction.MenuRole.PreferencesRole)
         edit_menu.addAction(self.settings_action)
         self.hub_settings_action = self._action("Hugging Face Token…", self.show_hub_settings)
         edit_menu.addAction(self.hub_settings_action)
-        edit_menu.addSeparator()
-        self.find_action = self._action("Search Chats", self.search_chats,
-                                        QKeySequence.StandardKey.Find)
-        edit_menu.addAction(self.find_action)
 
         view_menu = bar.addMenu("&View")
         self.speculation_action = self._action("Show Speculation", self.chat_view.set_show_speculation,
