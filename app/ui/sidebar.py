@@ -114,6 +114,20 @@ class ElidingDelegate(QStyledItemDelegate):
         return size
 
 
+class ChatListView(QListView):
+    """The list, knowing whether the row it moved to was moved to by a key (`keying`): the
+    arrows open a chat and leave the keyboard in the list, a click hands it on."""
+
+    keying = False
+
+    def keyPressEvent(self, event: QKeyEvent) -> None:  # noqa: N802 - Qt override
+        self.keying = True
+        try:
+            super().keyPressEvent(event)
+        finally:
+            self.keying = False
+
+
 class Sidebar(QWidget):
     export_requested = Signal(int)  # conversation id
     chat_chosen = Signal()  # picked from the keyboard (Enter): typing goes to the composer
@@ -126,7 +140,7 @@ class Sidebar(QWidget):
         self.search_edit.setPlaceholderText("Search chats")
         self.search_edit.setClearButtonEnabled(True)
         self.new_button = QPushButton("New chat")
-        self.list_view = QListView()
+        self.list_view = ChatListView()
         self.list_view.setModel(self.model)
         self.list_view.setEditTriggers(QAbstractItemView.EditTrigger.DoubleClicked
                                        | QAbstractItemView.EditTrigger.EditKeyPressed)
@@ -196,14 +210,17 @@ class Sidebar(QWidget):
             self.controller.open_conversation(int(conversation_id))
 
     def _on_current_changed(self, current: QModelIndex, _previous: QModelIndex) -> None:
-        """The arrow keys open the chat they land on (the model's own resets and
-        `_select_current` move the current row too, without the user: not then)."""
-        if current.isValid() and self.list_view.hasFocus():
-            self.browsing = True  # the keyboard stays in the list (see `browsing`)
-            try:
-                self._on_clicked(current)
-            finally:
-                self.browsing = False
+        """The arrow keys open the chat they land on (a click, the model's resets and
+        `_select_current` move the current row too: not those)."""
+        if current.isValid() and self.list_view.keying:
+            self._browse_to(current)
+
+    def _browse_to(self, index: QModelIndex) -> None:
+        self.browsing = True  # the keyboard stays in the list (see `browsing`)
+        try:
+            self._on_clicked(index)
+        finally:
+            self.browsing = False
 
     def _on_activated(self, index: QModelIndex) -> None:
         self._on_clicked(index)
@@ -237,6 +254,7 @@ class Sidebar(QWidget):
         if key == Qt.Key.Key_Down:
             self.list_view.setFocus(Qt.FocusReason.TabFocusReason)
             self.list_view.setCurrentIndex(self.model.index(0))
+            self._browse_to(self.model.index(0))
             return True
         if key in (Qt.Key.Key_Return, Qt.Key.Key_Enter):
             self._on_activated(self.model.index(0))

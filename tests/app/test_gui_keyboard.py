@@ -109,7 +109,11 @@ def test_chats_are_searched_opened_renamed_and_deleted_from_the_keyboard(
     python, bread = two_chats(qtbot, gui)
     window, sidebar = gui.window, gui.window.sidebar
     edit, lst = window.composer.edit, sidebar.list_view
-    edit.setFocus()
+    # a click opens a chat and hands the keyboard to the composer (the arrows keep it)
+    qtbot.mouseClick(lst.viewport(), Qt.MouseButton.LeftButton,
+                     pos=lst.visualRect(sidebar.model.index(1)).center())
+    assert gui.controller.conversation_id == python and QApplication.focusWidget() is edit
+    gui.controller.open_conversation(bread)
 
     # Ctrl+F searches; Enter opens the first match and hands the keyboard back
     qtbot.keyClick(edit, Qt.Key.Key_F, Qt.KeyboardModifier.ControlModifier)
