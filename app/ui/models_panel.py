@@ -49,6 +49,7 @@ from app.ui.models_tables import (
     good_bad,
     speed_text,
 )
+from app.ui.tool_window import close_with_keys
 
 
 def _table(model: QAbstractTableModel, stretch: int = 0) -> QTableView:
@@ -83,6 +84,7 @@ class ModelsPanel(QDialog):
         self.controller = controller
         self.in_use = in_use
         self.setWindowTitle("Models")
+        close_with_keys(self)
         self.resize(980, 660)
         self.tabs = QTabWidget()
         self.tabs.addTab(self._build_hub_tab(), "Hugging Face hub")

@@ -27,6 +27,7 @@ from PySide6.QtWidgets import (
 from app.hub.token_store import TokenStatus
 from app.ui.models_controller import ModelsController
 from app.ui.models_tables import good_bad
+from app.ui.tool_window import close_with_keys
 
 TOKENS_URL = "https://huggingface.co/settings/tokens"
 
@@ -158,6 +159,7 @@ class PreferencesDialog(QDialog):
     def __init__(self, controller: ModelsController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Settings — Hugging Face")
+        close_with_keys(self)
         self.hub_section = HubAccountSection(controller)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         buttons.rejected.connect(self.close)

@@ -41,6 +41,7 @@ from app.server.run import (
     client_snippet,
 )
 from app.ui.controller import ChatController
+from app.ui.tool_window import close_with_keys
 from app.ui.worker import EngineHost, ModelInfo
 from engine.errors import EngineError
 
@@ -156,6 +157,7 @@ class ServerPanel(QDialog):
                  parent: QWidget | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Local Server")
+        close_with_keys(self)
         self.resize(760, 520)
         self._backend = AppEngineBackend(host, controller)
         self._server: BackgroundServer | None = None

@@ -221,6 +221,14 @@ def test_windows_open_with_the_keyboard_in_place_and_escape_closes_them(
     qtbot.waitUntil(lambda: QApplication.focusWidget() is panel.search_edit)
     qtbot.keyClick(panel.search_edit, Qt.Key.Key_Escape)
     assert not panel.isVisible()
+    # Ctrl/⌘+W closes the front window, not only the main one (which stays open)
+    for show in (window.show_models, window.show_hub_settings, window.show_server_panel,
+                 window.show_train_drafter):
+        shown = show() or window.train_dialog
+        qtbot.waitUntil(lambda shown=shown: shown.isActiveWindow())
+        qtbot.keyClick(QApplication.focusWidget() or shown, Qt.Key.Key_W,
+                       Qt.KeyboardModifier.ControlModifier)
+        assert not shown.isVisible() and window.isVisible()
 
     window.show_train_drafter()
     train = window.train_dialog
