@@ -20,6 +20,7 @@ from PySide6.QtGui import (
     QTextCursor,
     QTextDocument,
     QTextOption,
+    QWheelEvent,
 )
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -71,6 +72,7 @@ class TokenBrowser(QTextBrowser):
     """A read-only rich-text box that is as tall as its content and shows token tooltips."""
 
     code_copied = Signal()  # a code block's Copy link put it on the clipboard
+    zoom_requested = Signal(int)  # Ctrl/⌘ + wheel: +1 larger, -1 smaller (View ▸ Zoom)
 
     def __init__(self, parent: QWidget | None = None, *, fit_height: bool = True) -> None:
         super().__init__(parent)
@@ -116,6 +118,16 @@ class TokenBrowser(QTextBrowser):
         cursor = QTextCursor(self.document())
         cursor.setPosition(at + 1)  # the format of the character *before* the cursor
         return cursor.charFormat().toolTip()
+
+    def wheelEvent(self, event: QWheelEvent) -> None:  # noqa: N802 - Qt override
+        """Ctrl/⌘ + wheel zooms the whole conversation (`zoom_requested`); QTextBrowser's
+        own zoom grew only the message under the pointer."""
+        if event.modifiers() & Qt.KeyboardModifier.ControlModifier:
+            if event.angleDelta().y():
+                self.zoom_requested.emit(1 if event.angleDelta().y() > 0 else -1)
+            event.accept()
+            return
+        super().wheelEvent(event)
 
     def viewportEvent(self, event: QEvent) -> bool:  # noqa: N802 - Qt override
         if event.type() == QEvent.Type.ToolTip:
@@ -368,6 +380,7 @@ class ChatView(QWidget):
 
     edit_requested = Signal(int, str)  # message id, its text (for the composer)
     copied = Signal(str)  # what went to the clipboard, in words (the status bar says it)
+    zoom_requested = Signal(int)  # Ctrl/⌘ + wheel over a message
 
     def __init__(self, controller: ChatController, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -574,6 +587,7 @@ class ChatView(QWidget):
             card.browser.setFont(self.text_font)
         card.copy_requested.connect(self._on_copy_requested)
         card.browser.code_copied.connect(lambda: self.copied.emit("Code copied"))
+        card.browser.zoom_requested.connect(self.zoom_requested)
         card.edit_requested.connect(self._on_edit_requested)
         card.regenerate_requested.connect(self._on_regenerate_requested)
         card.continue_requested.connect(self.controller.continue_reply)

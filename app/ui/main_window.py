@@ -203,6 +203,10 @@ class MainWindow(QMainWindow):
         self.sidebar.export_requested.connect(self.export_conversation)
         self.sidebar.chat_chosen.connect(self.focus_composer)
         self.chat_view.copied.connect(lambda what: self.statusBar().showMessage(what, 3000))
+        for signal in (self.chat_view.zoom_requested,
+                       self.comparison_view.speculative.browser.zoom_requested,
+                       self.comparison_view.plain.browser.zoom_requested):
+            signal.connect(lambda direction: self.set_zoom(zoom.step(self.zoom, direction)))
         self.settings_panel.models_requested.connect(self.show_models)
         self.chat_view.speculation_box.toggled.connect(self.comparison_view.set_show_speculation)
         self.chat_view.rejected_box.toggled.connect(self.comparison_view.set_show_rejected)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-from PySide6.QtCore import QPoint, QRect, Qt, QTimer
-from PySide6.QtGui import QColor, QGuiApplication, QPalette, QTextCursor
+from PySide6.QtCore import QPoint, QPointF, QRect, Qt, QTimer
+from PySide6.QtGui import QColor, QGuiApplication, QPalette, QTextCursor, QWheelEvent
 from PySide6.QtWidgets import QApplication, QMenu, QMessageBox
 
 from app.store import STOPPED
@@ -415,3 +415,22 @@ def test_the_edit_menu_acts_on_what_has_the_keyboard(qtbot, make_gui, tiny_pair)
     window.sidebar.list_view.setFocus()  # no text here: nothing to do
     assert not any(a.isEnabled() for a in items.values())
     assert "&Edit" in [m.title() for m in window.menuBar().findChildren(QMenu)]
+
+
+def test_ctrl_wheel_over_a_message_zooms_the_whole_conversation(qtbot, make_gui,
+                                                                  tiny_pair) -> None:
+    gui = make_gui(plain_settings(tiny_pair[0], max_tokens=8))
+    window = gui.window
+    send_by_keyboard(qtbot, gui, "Hello")
+    wait_idle(qtbot, gui)
+    user, reply = window.chat_view.cards
+    viewport = reply.browser.viewport()
+    center = QPointF(viewport.rect().center())
+    wheel = QWheelEvent(center, QPointF(viewport.mapToGlobal(center.toPoint())), QPoint(),
+                        QPoint(0, 120), Qt.MouseButton.NoButton,
+                        Qt.KeyboardModifier.ControlModifier, Qt.ScrollPhase.NoScrollPhase,
+                        False)
+    QApplication.sendEvent(viewport, wheel)
+    assert window.zoom == pytest.approx(1.1)
+    sizes = [c.browser.font().pointSizeF() for c in (user, reply)]
+    assert sizes == pytest.approx([window.font().pointSizeF() * 1.1] * 2)  # every message
