@@ -28,6 +28,7 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QScrollArea,
+    QScrollBar,
     QSplitter,
     QStackedWidget,
     QToolButton,
@@ -198,7 +199,7 @@ class MainWindow(QMainWindow):
         self.compare_button.toggled.connect(lambda _on: self._update_compare_toggle())
         self.composer.message_submitted.connect(self._on_message_submitted)
         self.composer.edit_submitted.connect(self._on_edit_submitted)
-        self.composer.edit.page_requested.connect(self.chat_view.scroll_page)
+        self.composer.edit.page_requested.connect(self._on_page_requested)
         self.chat_view.edit_requested.connect(self.composer.begin_edit)
         self.sidebar.export_requested.connect(self.export_conversation)
         self.sidebar.chat_chosen.connect(self.focus_composer)
@@ -381,6 +382,17 @@ class MainWindow(QMainWindow):
 
     def focus_composer(self) -> None:
         self.composer.edit.setFocus(Qt.FocusReason.OtherFocusReason)
+
+    def _on_page_requested(self, direction: int) -> None:
+        """Page Up/Down in the composer: the conversation showing scrolls (the race's two
+        panes together, in the comparison)."""
+        if not self.comparison_mode:
+            self.chat_view.scroll_page(direction)
+            return
+        action = QScrollBar.SliderAction
+        for pane in (self.comparison_view.speculative, self.comparison_view.plain):
+            pane.browser.verticalScrollBar().triggerAction(
+                action.SliderPageStepAdd if direction > 0 else action.SliderPageStepSub)
 
     def search_chats(self) -> None:
         """Edit ▸ Search Chats (Ctrl/⌘+F): the chat list's search field, its text selected

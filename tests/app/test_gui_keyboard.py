@@ -13,7 +13,7 @@ from app.store import STOPPED
 from app.ui.chat_view import TokenBrowser
 from app.ui.theme import apply_theme
 from app.ui.token_render import user_message_html
-from tests.app.test_gui import TIMEOUT, plain_settings, send_by_keyboard, wait_idle
+from tests.app.test_gui import TIMEOUT, plain_settings, send_by_keyboard, spec_settings, wait_idle
 from tests.app.test_tree_gui import STEPS, TEXT
 
 
@@ -434,3 +434,21 @@ def test_ctrl_wheel_over_a_message_zooms_the_whole_conversation(qtbot, make_gui,
     assert window.zoom == pytest.approx(1.1)
     sizes = [c.browser.font().pointSizeF() for c in (user, reply)]
     assert sizes == pytest.approx([window.font().pointSizeF() * 1.1] * 2)  # every message
+
+
+def test_page_keys_scroll_the_races_panes_in_the_comparison(qtbot, make_gui, tiny_pair) -> None:
+    target, draft = tiny_pair
+    gui = make_gui(spec_settings(target, draft, max_tokens=300))
+    window, edit = gui.window, gui.window.composer.edit
+    window.resize(900, 420)
+    window.compare_action.trigger()
+    with qtbot.waitSignal(gui.controller.comparison_finished, timeout=TIMEOUT):
+        send_by_keyboard(qtbot, gui, "Count")
+    wait_idle(qtbot, gui)
+    bars = [p.browser.verticalScrollBar()
+            for p in (window.comparison_view.speculative, window.comparison_view.plain)]
+    qtbot.waitUntil(lambda: all(b.maximum() > b.pageStep() for b in bars))
+    for bar in bars:
+        bar.setValue(bar.maximum())
+    qtbot.keyClick(edit, Qt.Key.Key_PageUp)
+    assert [b.value() for b in bars] == [b.maximum() - b.pageStep() for b in bars]
