@@ -92,7 +92,8 @@ def create_app(backend: EngineBackend, config: ServerConfig | None = None,
                 Route("/v1/models/{model_id:path}", api.retrieve_model, methods=["GET"]),
                 Route("/v1/chat/completions", api.chat, methods=["POST"]),
                 Route("/v1/completions", api.completions, methods=["POST"])],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                            Exception: _internal_error},
     )
     app.state.jobs = jobs
     app.state.on_rejected = on_rejected
@@ -111,6 +112,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                    if exc.status_code == 404 else None)
     _report_rejected(request, err.status, err.message)
     return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug: the client still gets an error object it can show (not Starlette's plain
+    "Internal Server Error"); the traceback goes to the server's log, where uvicorn puts it."""
+    err = ApiError(500, f"internal error ({type(exc).__name__}): {exc}", code="internal_error")
+    _report_rejected(request, err.status, err.message)
+    return JSONResponse(err.body(), status_code=500)
 
 
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}

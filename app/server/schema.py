@@ -200,7 +200,22 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _refuse_lone_surrogates(text, data)
     return data
+
+
+def _refuse_lone_surrogates(text: str, data: dict[str, Any]) -> None:
+    """JSON may spell half a UTF-16 pair ("\\ud800"); Python decodes it to a string no
+    tokenizer or UTF-8 encoder takes, so it is refused here as the client's mistake rather
+    than failing deep in the tokenizer as a server error."""
+    if "\\u" not in text:  # a surrogate can only arrive as an escape: the body is UTF-8
+        return
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body is not valid JSON text: it holds an unpaired "
+                       "UTF-16 surrogate escape (such as \\ud800), which is not a "
+                       "character", code="invalid_unicode") from None
 
 
 def _validate(model: type[_Common], data: dict[str, Any]) -> Any:

@@ -461,6 +461,12 @@ BAD_INPUT = [
     ("invalid UTF-8", "/v1/chat/completions",
      b'{"model": "MODEL", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
     ("not an object", "/v1/chat/completions", b"[1, 2]", 400, None),
+    # valid JSON syntax, but half a UTF-16 pair is no character: the tokenizer cannot take it
+    ("unpaired surrogate", "/v1/chat/completions",
+     b'{"model": "MODEL", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+     None),
+    ("unpaired surrogate, completion", "/v1/completions",
+     b'{"model": "MODEL", "prompt": "\\udfff"}', 400, None),
     ("max_tokens wrong type", "/v1/chat/completions", _chat(max_tokens="ten"), 422,
      "max_tokens"),
     ("max_tokens bool", "/v1/chat/completions", _chat(max_tokens=True), 422, "max_tokens"),
@@ -579,6 +585,49 @@ def test_error_messages_name_the_cause(serve, card: ModelCard, name: str, path: 
     body = body.replace(b"MODEL", card.id.encode())
     got, reply = raw(server, "POST", path, body, {"Content-Type": "application/json"})
     assert (got, reply["error"]["message"]) == (status, message)
+
+
+def test_an_emoji_as_a_surrogate_pair_escape_is_one_character(client: openai.OpenAI,
+                                                              card: ModelCard) -> None:
+    """ensure_ascii JSON (Python's default) spells 😀 as "\\ud83d\\ude00": a whole pair is
+    a character, not the unpaired half refused above."""
+    server_url = urlsplit(str(client.base_url))
+    conn = http.client.HTTPConnection(server_url.hostname, server_url.port, timeout=60)
+    body = json.dumps({"model": card.id, "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "smile 😀"}]})
+    assert "\\ud83d\\ude00" in body
+    conn.request("POST", "/v1/chat/completions", body=body,
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    ids = card.tokenizer.encode_chat([{"role": "user", "content": "smile 😀"}])
+    assert json.loads(response.read())["usage"]["prompt_tokens"] == len(ids)
+
+
+class _BrokenBackend:
+    """A backend with a bug: it cannot even list its models."""
+
+    def models(self) -> list[ModelCard]:
+        raise RuntimeError("the model list is broken")
+
+    def submit(self, job) -> None:
+        raise AssertionError("nothing should reach the engine")
+
+
+def test_a_server_bug_still_answers_an_error_object() -> None:
+    """Starlette's own answer to an exception is a plain-text "Internal Server Error" that an
+    OpenAI client can only show as a bare status; ours is an error object naming the cause."""
+    server = BackgroundServer(create_app(_BrokenBackend()), port=0)
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.models.list()
+    finally:
+        server.stop()
+    assert err.value.status_code == 500
+    assert err.value.body["code"] == "internal_error"
+    assert err.value.body["message"] == "internal error (RuntimeError): the model list is broken"
 
 
 def test_a_plain_text_response_format_is_accepted(client: openai.OpenAI,
