@@ -359,12 +359,17 @@ class _Reply:
                     if held is not None:
                         cut = held.without_cut_mark()
                         yield make(cut.text, extension=step_extension(cut))
-                    # usage rides on the finish chunk too, so every stream reports it
+                    # Usage goes out once: on its own chunk when the client asked for it
+                    # (OpenAI's shape), else on the finish chunk, so every stream reports
+                    # it. Both would count it twice in clients that add up the usage of
+                    # every chunk (LangChain's streamed usage_metadata does).
+                    total = usage(event.stats)
                     yield make(None if req.endpoint == "chat" else "",
-                               finish=finish_reason(event.stats), usage_=usage(event.stats),
+                               finish=finish_reason(event.stats),
+                               usage_=None if req.include_usage else total,
                                extension=self._extension(event))
                     if req.include_usage:
-                        yield make(None, usage_=usage(event.stats), no_choices=True)
+                        yield make(None, usage_=total, no_choices=True)
                     break
                 elif isinstance(event, JobFailed):
                     err = ApiError(event.status if event.status < 499 else 500, event.message)

@@ -145,6 +145,21 @@ def test_chat_usage_and_stream_match(client: openai.OpenAI, card: ModelCard) -> 
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # reported once, as OpenAI does: a client adding up every chunk's usage counts 12
+    assert sum(c.usage.completion_tokens for c in chunks if c.usage) == 12
+
+
+def test_a_stream_without_include_usage_reports_it_on_the_finish(client: openai.OpenAI,
+                                                                 card: ModelCard) -> None:
+    for endpoint in (client.chat.completions, client.completions):
+        body = {"messages": HELLO} if endpoint is client.chat.completions else {"prompt": "Hi"}
+        chunks = list(endpoint.create(model=card.id, max_tokens=5, seed=1, stream=True, **body))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert [c.usage.completion_tokens for c in chunks if c.usage] == [5]
+        with_usage = list(endpoint.create(model=card.id, max_tokens=5, seed=1, stream=True,
+                                          stream_options={"include_usage": True}, **body))
+        assert with_usage[-2].usage is None and with_usage[-1].choices == []
+        assert [c.usage.completion_tokens for c in with_usage if c.usage] == [5]
 
 
 def test_completions_raw_prompt_no_template(client: openai.OpenAI, card: ModelCard) -> None:
