@@ -14,6 +14,7 @@ import hmac
 import itertools
 import json
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -96,6 +97,7 @@ def create_app(backend: EngineBackend, config: ServerConfig | None = None,
                             Exception: _internal_error},
     )
     app.state.jobs = jobs
+    app.state.api = api
     app.state.on_rejected = on_rejected
     return app
 
@@ -139,11 +141,34 @@ def _report_rejected(request: Request, status: int, message: str) -> None:
         log.exception("request log callback failed")
 
 
+def close_requests(app: Starlette) -> None:
+    """The server is stopping: every request in hand ends now with a 503 saying so, and any
+    new one is refused. Call it before telling uvicorn to exit (any thread): uvicorn alone
+    would wait for the streams to end, then cut them, and a client would take the text it
+    had as a whole reply, since a cut stream looks like a finished one to the SDK."""
+    api = getattr(app.state, "api", None)
+    if isinstance(api, _Api):
+        api.close()
+
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
 class _Api:
     def __init__(self, backend: EngineBackend, config: ServerConfig, jobs: JobQueue) -> None:
         self.backend = backend
         self.config = config
         self.jobs = jobs
+        self.closing = threading.Event()
+        self._live: set[Job] = set()  # jobs whose client still waits for their end
+        self._live_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.closing.set()
+        with self._live_lock:
+            live = list(self._live)
+        for job in live:
+            job.cancel.set()
 
     # -- endpoints -----------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
@@ -236,6 +261,8 @@ class _Api:
 
     # -- generation ----------------------------------------------------------------------
     async def _generate(self, request: Request, req: GenerationRequest) -> Response:
+        if self.closing.is_set():
+            raise _shutting_down()
         card = self._card(req.model)
         try:
             prompt_ids = await run_in_threadpool(_encode, card, req)
@@ -260,11 +287,26 @@ class _Api:
             raise ApiError(429, "the server is busy: too many requests are waiting; retry "
                            "shortly", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_s)}) from None
-        reply = _Reply(job, req, events, int(time.time()))
+        with self._live_lock:
+            self._live.add(job)
+        reply = _Reply(job, req, events, int(time.time()), self.closing,
+                       lambda: self._forget(job))
         if req.stream:
-            return EventSourceResponse(reply.stream(), ping=15,
+            # the grace period: sse-starlette cancels a stream once it notices uvicorn's
+            # exit; by then `close_requests` has stopped the job, whose stream is left the
+            # moment it needs to say why (less than uvicorn's own 3 s)
+            return EventSourceResponse(reply.stream(), ping=15, shutdown_grace_period=2,
                                        client_close_handler_callable=reply.client_closed)
         return await reply.collect(request)
+
+    def _forget(self, job: Job) -> None:
+        with self._live_lock:
+            self._live.discard(job)
+
+
+def _shutting_down(detail: str = "") -> ApiError:
+    return ApiError(503, f"{SHUTTING_DOWN}{detail}; retry once it is back",
+                    code="server_shutting_down")
 
 
 def _encode(card: ModelCard, req: GenerationRequest) -> list[int]:
@@ -288,12 +330,27 @@ class _Reply:
     """One request's events turned into a response, streamed or whole."""
 
     def __init__(self, job: Job, req: GenerationRequest, events: asyncio.Queue[JobEvent],
-                 created: int) -> None:
+                 created: int, closing: threading.Event, done: Callable[[], None]) -> None:
         self.job = job
         self.req = req
         self.events = events
         self.created = created
+        self.closing = closing  # set: a cancelled job was stopped by the server's shutdown
+        self.done = done
         self.steps_by_drafter: Counter[str] = Counter()
+
+    def _cut_by_shutdown(self, event: JobEvent) -> ApiError | None:
+        """The error a job ended by the server's shutdown answers instead of its reply."""
+        if not self.closing.is_set():
+            return None
+        if isinstance(event, JobFailed) and event.status == 499:  # never started
+            return _shutting_down()
+        if isinstance(event, Finished) and event.stats.finish_reason == "cancelled":
+            n = event.stats.generated_tokens
+            return _shutting_down(f": the reply was cut short after {n} token"
+                                  f"{'' if n == 1 else 's'}" if n else
+                                  ": it stopped before the reply began")
+        return None
 
     def _extension(self, finished: Finished) -> dict[str, Any]:
         return final_extension(finished, self.job.options.drafter, self.steps_by_drafter)
@@ -307,6 +364,8 @@ class _Reply:
         try:
             while True:
                 event = await self.events.get()
+                if (cut := self._cut_by_shutdown(event)) is not None:
+                    return JSONResponse(cut.body(), status_code=cut.status)
                 if isinstance(event, Step):
                     self.steps_by_drafter[event.drafter] += 1
                 elif isinstance(event, Finished):
@@ -320,6 +379,7 @@ class _Reply:
         finally:
             watcher.cancel()
             self.job.cancel.set()  # no-op after Finished; stops the engine otherwise
+            self.done()
 
     async def _watch_disconnect(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -346,6 +406,11 @@ class _Reply:
             yield make("", first=True)
             while True:
                 event = await self.events.get()
+                if (cut := self._cut_by_shutdown(event)) is not None:
+                    # the SDK raises this (an `error` in a chunk) rather than taking the
+                    # text so far for the whole reply
+                    yield data(cut.body())
+                    break
                 if isinstance(event, Step):
                     self.steps_by_drafter[event.drafter] += 1
                     if held is not None:
@@ -378,3 +443,4 @@ class _Reply:
             yield {"data": "[DONE]"}
         finally:
             job.cancel.set()  # a client gone mid-stream stops the engine at its next step
+            self.done()

@@ -380,6 +380,50 @@ def test_full_queue_gets_429_with_retry_after(serve, card: ModelCard) -> None:
     assert ok.usage.completion_tokens == 2  # room again once the engine ended both
 
 
+def test_stopping_the_server_tells_each_client_its_request_was_cut(serve,
+                                                                    card: ModelCard) -> None:
+    """Stop (the app's Stop Server) while one reply streams, one is collected whole and one
+    waits: each client gets a 503 saying the server is shutting down, at once, instead of
+    a stream that just stops (read as a whole reply) or a dropped connection."""
+    server = serve()
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=LONG,
+                                            temperature=0, stream=True,
+                                            extra_body={"drafter": "none"})
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    errors: dict[str, openai.APIStatusError] = {}
+
+    def whole(name: str) -> None:
+        try:
+            client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=LONG,
+                                           temperature=0)
+        except openai.APIStatusError as e:
+            errors[name] = e
+
+    waiting = [threading.Thread(target=whole, args=(n,)) for n in ("first", "second")]
+    for thread in waiting:
+        thread.start()
+    while jobs(server).in_flight < 3:
+        time.sleep(0.01)
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 2.5  # sooner than uvicorn's 3 s grace for streams
+    with pytest.raises(openai.APIError, match=r"the server is shutting down: the reply was "
+                       r"cut short after \d+ tokens; retry once it is back"):
+        for _chunk in chunks:
+            pass
+    for thread in waiting:
+        thread.join(30)
+    assert sorted(errors) == ["first", "second"]
+    for e in errors.values():  # both queued behind the stream, never started
+        assert e.status_code == 503
+        assert e.body["code"] == "server_shutting_down"
+        assert e.body["message"] == "the server is shutting down; retry once it is back"
+    wait_idle(server)
+
+
 # ---------------------------------------------------------------------------- API key
 
 
@@ -440,12 +484,24 @@ def test_serve_command_serves_then_stops_cleanly_on_ctrl_c(engine) -> None:
         client = openai.OpenAI(base_url=found.group(1), api_key="sekret-key", max_retries=0)
         reply = client.chat.completions.create(model="target", messages=HELLO, max_tokens=3)
         assert reply.usage.completion_tokens == 3
+        # Ctrl-C mid-stream: the client is told its reply was cut, not left with a stream
+        # that merely stops (which the SDK takes for a whole reply)
+        stream = client.chat.completions.create(model="target", messages=HELLO,
+                                                max_tokens=LONG, temperature=0, stream=True)
+        for i, _chunk in enumerate(stream):
+            if i == 3:
+                break
         proc.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="the server is shutting down: the reply "
+                           "was cut short after"):
+            for _chunk in stream:
+                pass
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
+    assert "Traceback" not in out
     assert "chat target: " in out and "+ 3 tokens" in out
     assert "terminate called" not in out and "sekret-key" not in "".join(lines) + out
 
