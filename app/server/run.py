@@ -166,7 +166,8 @@ def serve(args: argparse.Namespace) -> int:
         card = engine.start()
         config = ServerConfig(api_key=args.api_key, default_drafter=args.drafter,
                               max_waiting=args.queue)
-        app = create_app(engine, config, on_record=_print_record)
+        # refusals too: a developer whose tool gets a 400 looks here for the reason
+        app = create_app(engine, config, on_record=_print_record, on_rejected=_print_record)
         url = base_url(sock)
         print(f"serving {card.id} at {url} (drafter {args.drafter}); Ctrl-C to stop",
               flush=True)
@@ -183,6 +184,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _print_record(r) -> None:
+    if r.status != 200:  # refused, or failed in the engine: its status and why
+        who = f"{r.endpoint} {r.model}" if r.model else r.endpoint
+        print(f"{who}: {r.status} {r.finish.removeprefix('error: ')}", flush=True)
+        return
     print(f"{r.endpoint} {r.model}: {r.prompt_tokens} prompt ({r.prefilled_tokens} prefilled) "
           f"+ {r.completion_tokens} tokens · {r.decode_tps:.1f} tok/s · tau {r.tau:.2f} · "
           f"{r.drafter} · {r.finish}", flush=True)

@@ -484,6 +484,8 @@ def test_serve_command_serves_then_stops_cleanly_on_ctrl_c(engine) -> None:
         client = openai.OpenAI(base_url=found.group(1), api_key="sekret-key", max_retries=0)
         reply = client.chat.completions.create(model="target", messages=HELLO, max_tokens=3)
         assert reply.usage.completion_tokens == 3
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="target", messages=HELLO, n=2)
         # Ctrl-C mid-stream: the client is told its reply was cut, not left with a stream
         # that merely stops (which the SDK takes for a whole reply)
         stream = client.chat.completions.create(model="target", messages=HELLO,
@@ -503,6 +505,8 @@ def test_serve_command_serves_then_stops_cleanly_on_ctrl_c(engine) -> None:
     assert proc.returncode == 0, out
     assert "Traceback" not in out
     assert "chat target: " in out and "+ 3 tokens" in out
+    # a refused request is logged with its status and reason, where its developer looks
+    assert "chat: 400 n > 1 is not supported: ask for one choice per request\n" in out
     assert "terminate called" not in out and "sekret-key" not in "".join(lines) + out
 
 
