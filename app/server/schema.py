@@ -100,7 +100,10 @@ class StreamOptions(_Strict):
 Stop = StrictStr | list[StrictStr] | None
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)] | None
 TopP = Annotated[float, Field(gt=0.0, le=1.0)] | None
-Seed = Annotated[StrictInt, Field(ge=0, lt=2**64)] | None
+# OpenAI's seeds are int64s, so negative ones are valid there; -1 is "random" to llama.cpp's
+# server and the clients written for it (SillyTavern, KoboldCpp's), so it means that here
+Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None
+RANDOM_SEED = -1
 MaxTokens = Annotated[StrictInt, Field(ge=1)] | None
 TopK = Annotated[StrictInt, Field(ge=0)] | None
 MinP = Annotated[float, Field(ge=0.0, le=1.0)] | None
@@ -284,6 +287,14 @@ def fresh_seed() -> int:
     return secrets.randbits(64)
 
 
+def _seed(given: int | None) -> int:
+    """The sampler's seed (0 to 2**64): a fresh one for none or -1, and any other negative
+    seed as the same 64 bits unsigned, so it repeats its reply as a positive one does."""
+    if given is None or given == RANDOM_SEED:
+        return fresh_seed()
+    return given % 2**64
+
+
 def _common(body: _Common, endpoint: str, max_tokens: int | None,
             messages: tuple[dict[str, str], ...] | None, prompt: str | None
             ) -> GenerationRequest:
@@ -293,7 +304,7 @@ def _common(body: _Common, endpoint: str, max_tokens: int | None,
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
-        seed=fresh_seed() if body.seed is None else body.seed,
+        seed=_seed(body.seed),
         stop=_stop(body.stop), stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         drafter=body.drafter, draft_k=body.draft_k,

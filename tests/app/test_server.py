@@ -275,6 +275,10 @@ def test_without_a_seed_each_request_samples_anew(client: openai.OpenAI,
     unseeded = {run() for _ in range(3)}
     assert len(unseeded) == 3
     assert run(seed=7) == run(seed=7) == run("model", seed=7)
+    # -1 is "random" to llama.cpp-style clients; other negatives (OpenAI's seeds are int64)
+    # repeat like any seed, as the same 64 bits unsigned
+    assert len({run(seed=-1) for _ in range(3)}) == 3
+    assert run(seed=-5) == run(seed=2**64 - 5) != run(seed=5)
 
 
 def test_sampling_extensions_are_honoured_and_stay_lossless(client: openai.OpenAI,
@@ -558,7 +562,7 @@ BAD_INPUT = [
     ("temperature negative", "/v1/chat/completions", _chat(temperature=-0.1), 422,
      "temperature"),
     ("top_p zero", "/v1/chat/completions", _chat(top_p=0), 422, "top_p"),
-    ("seed negative", "/v1/chat/completions", _chat(seed=-1), 422, "seed"),
+    ("seed below int64", "/v1/chat/completions", _chat(seed=-(2**63) - 1), 422, "seed"),
     ("stream not bool", "/v1/chat/completions", _chat(stream="yes"), 422, "stream"),
     ("too many stops", "/v1/chat/completions", _chat(stop=["a", "b", "c", "d", "e"]), 422,
      "stop"),
