@@ -31,7 +31,8 @@ from engine.tuning import K_MAX
 
 DRAFTER_CHOICES = DRAFTERS  # the engine's list: a new drafter reaches the API with no edit here
 MAX_STOP_STRINGS = 4
-TEXT_ONLY = "text_only"  # the error type of a content part that is not text
+# the error type of a feature this server lacks (a 400, as tools are), not a malformed value
+UNSUPPORTED = "unsupported"
 
 
 class ApiError(Exception):
@@ -81,8 +82,19 @@ class Message(_Strict):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text" and isinstance(kind, str):
                     raise PydanticCustomError(
-                        TEXT_ONLY, "only text parts are supported, got a part of type {kind}",
+                        UNSUPPORTED, "only text parts are supported, got a part of type {kind}",
                         {"kind": repr(kind)})
+        return value
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_results(cls, value: Any) -> Any:
+        """A tool's result is a role OpenAI defines: the client is told that tool calls are
+        what is missing, not that it misspelt a role."""
+        if value in ("tool", "function"):
+            raise PydanticCustomError(
+                UNSUPPORTED, "{role} messages (tool results) are not supported: this "
+                "server does not call tools", {"role": repr(value)})
         return value
 
     def text(self) -> str:
@@ -227,7 +239,7 @@ def _validate(model: type[_Common], data: dict[str, Any]) -> Any:
     except ValidationError as e:
         err = _cause(e.errors())
         where = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or "body"
-        if err["type"] == TEXT_ONLY:  # a feature this server lacks, like tools: 400
+        if err["type"] == UNSUPPORTED:  # a feature this server lacks, like tools: 400
             raise ApiError(400, f"{where}: {err['msg']}", param=where,
                            code="unsupported_parameter") from None
         raise ApiError(422, f"{where}: {err['msg']}", param=where,

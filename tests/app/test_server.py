@@ -650,6 +650,10 @@ ERROR_MESSAGES = [
     ("text part without text", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 422,
      "messages.0.content.0.text: Field required"),
+    ("a tool result", "/v1/chat/completions",
+     _chat(messages=[*HELLO, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]),
+     400, "messages.1.role: 'tool' messages (tool results) are not supported: this server "
+     "does not call tools"),
     ("JSON mode", "/v1/chat/completions", _chat(response_format={"type": "json_object"}), 400,
      "response_format (JSON mode, structured outputs) is not supported by this server: "
      "replies are plain text"),
