@@ -108,9 +108,13 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+# what a client may call, for the errors of one that called something else
+_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET"}
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    err = ApiError(exc.status_code, str(exc.detail), code="not_found"
+    err = ApiError(exc.status_code, _routing_message(request, exc), code="not_found"
                    if exc.status_code == 404 else None)
     _report_rejected(request, err.status, err.message)
     return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
@@ -122,6 +126,22 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     err = ApiError(500, f"internal error ({type(exc).__name__}): {exc}", code="internal_error")
     _report_rejected(request, err.status, err.message)
     return JSONResponse(err.body(), status_code=500)
+
+
+def _routing_message(request: Request, exc: HTTPException) -> str:
+    """Starlette says only "Not Found" or "Method Not Allowed", which an SDK shows as all
+    there is to know; the usual cause is a base URL without `/v1`, so that is said."""
+    path, method = request.url.path, request.method
+    if exc.status_code == 405 and path in _ROUTES:
+        return f"{path} takes {_ROUTES[path]} requests, not {method}"
+    if exc.status_code != 404:
+        return str(exc.detail)
+    served = ", ".join(f"{m} {p}" for p, m in _ROUTES.items())
+    message = f"there is no {path} here; this server answers {served}"
+    if "/v1" + path.rstrip("/") in _ROUTES:
+        base = f"{request.url.scheme}://{request.url.netloc}/v1"
+        message += f": is the client's base URL missing /v1? It should be {base}"
+    return message
 
 
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}

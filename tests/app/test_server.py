@@ -713,6 +713,30 @@ def test_a_server_bug_still_answers_an_error_object() -> None:
     assert err.value.body["message"] == "internal error (RuntimeError): the model list is broken"
 
 
+def test_a_base_url_without_v1_is_named_as_the_cause(client: openai.OpenAI,
+                                                    server: BackgroundServer,
+                                                    card: ModelCard) -> None:
+    """The usual slip: base_url "http://host:port" without /v1. The SDK shows the message,
+    so it says what to set, not only "Not Found"."""
+    root = server.url.removesuffix("/v1")
+    slipped = openai.OpenAI(base_url=root, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        slipped.chat.completions.create(model=card.id, messages=HELLO, max_tokens=1)
+    assert err.value.body["message"] == (
+        "there is no /chat/completions here; this server answers POST /v1/chat/completions, "
+        "POST /v1/completions, GET /v1/models: is the client's base URL missing /v1? It "
+        f"should be {server.url}")
+    with pytest.raises(openai.NotFoundError, match=f"It should be {server.url}"):
+        slipped.models.list()
+    status, body = raw(server, "POST", "/v1/embeddings", b"{}", {})
+    assert status == 404 and body["error"]["message"].startswith(
+        "there is no /v1/embeddings here; this server answers POST /v1/chat/completions")
+    assert "missing /v1" not in body["error"]["message"]
+    status, body = raw(server, "GET", "/v1/chat/completions", None, {})
+    assert (status, body["error"]["message"]) == (
+        405, "/v1/chat/completions takes POST requests, not GET")
+
+
 def test_a_plain_text_response_format_is_accepted(client: openai.OpenAI,
                                                   card: ModelCard) -> None:
     """{"type": "text"} asks for what every reply here is: no reason to refuse it."""
