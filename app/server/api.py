@@ -340,7 +340,14 @@ def _encode(card: ModelCard, req: GenerationRequest) -> list[int]:
         return tok.encode_chat(list(req.messages), add_generation_prompt=True,
                                continue_final=req.continue_final)
     assert req.prompt is not None
-    ids = tok.encode(req.prompt, add_special_tokens=True)
+    if isinstance(req.prompt, tuple):  # the client's own tokens, no BOS added (as vLLM)
+        ids = list(req.prompt)
+        vocab = tok.vocab_size
+        if (bad := next((i for i in ids if not 0 <= i < vocab), None)) is not None:
+            raise PromptError(f"prompt: token id {bad} is not in this model's vocabulary "
+                              f"(0-{vocab - 1})")
+    else:
+        ids = tok.encode(req.prompt, add_special_tokens=True)
     if not ids:
         raise PromptError("prompt: the prompt is empty")
     return ids

@@ -155,7 +155,9 @@ class ChatBody(_Common):
 
 
 class CompletionBody(_Common):
-    prompt: StrictStr | list[StrictStr]
+    # OpenAI's four forms: text, token ids (lm-evaluation-harness sends these), or a list of
+    # either, which holds one prompt here
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
 
 # Fields we refuse when set to anything but their "off" value: honouring them is not
@@ -187,7 +189,7 @@ class GenerationRequest:
     endpoint: str  # "chat" | "completion"
     model: str
     messages: tuple[dict[str, str], ...] | None  # chat
-    prompt: str | None  # completion
+    prompt: str | tuple[int, ...] | None  # completion: text, or token ids taken as they are
     max_tokens: int | None  # None: up to the context window
     temperature: float
     top_p: float
@@ -308,7 +310,7 @@ def _seed(given: int | None) -> int:
 
 
 def _common(body: _Common, endpoint: str, max_tokens: int | None,
-            messages: tuple[dict[str, str], ...] | None, prompt: str | None
+            messages: tuple[dict[str, str], ...] | None, prompt: str | tuple[int, ...] | None
             ) -> GenerationRequest:
     _refuse_unsupported(body)
     return GenerationRequest(
@@ -353,11 +355,20 @@ def parse_chat(data: dict[str, Any]) -> GenerationRequest:
 def parse_completion(data: dict[str, Any]) -> GenerationRequest:
     """A /v1/completions body → GenerationRequest (OpenAI's default of 16 tokens)."""
     body = _validate(CompletionBody, data)
-    prompt = body.prompt if isinstance(body.prompt, str) else _one_prompt(body.prompt)
-    return _common(body, "completion", body.max_tokens or 16, None, prompt)
+    return _common(body, "completion", body.max_tokens or 16, None, _prompt(body.prompt))
 
 
-def _one_prompt(prompts: list[str]) -> str:
+def _prompt(given: str | list[str] | list[int] | list[list[int]]) -> str | tuple[int, ...]:
+    """The one prompt: text, or token ids (a flat list of ints is one prompt's ids)."""
+    if isinstance(given, str):
+        return given
+    if given and all(isinstance(i, int) for i in given):
+        return tuple(given)  # type: ignore[arg-type]
+    one = _one_prompt(given)  # type: ignore[arg-type]
+    return one if isinstance(one, str) else tuple(one)
+
+
+def _one_prompt(prompts: list[str] | list[list[int]]) -> str | list[int]:
     """OpenAI's list form of `prompt`, which this server takes with one prompt in it."""
     if not prompts:
         raise ApiError(422, "prompt: the list of prompts is empty", param="prompt",

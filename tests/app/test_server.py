@@ -175,6 +175,22 @@ def test_completions_raw_prompt_no_template(client: openai.OpenAI, card: ModelCa
     assert streamed == reply.choices[0].text
 
 
+def test_completions_take_a_prompt_as_token_ids(client: openai.OpenAI,
+                                                card: ModelCard) -> None:
+    """OpenAI's token-id forms of `prompt` (lm-evaluation-harness sends them): the ids are
+    read as given, so the reply is the text prompt's when they are its tokens."""
+    prompt = "def add(a, b):"
+    ids = card.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def text(given) -> tuple[str, int]:
+        reply = client.completions.create(model=card.id, prompt=given, max_tokens=8,
+                                          temperature=0.9, seed=4)
+        return reply.choices[0].text, reply.usage.prompt_tokens
+
+    assert text(ids) == text([ids]) == text(prompt) == (text(prompt)[0], len(ids))
+    assert text(ids[1:])[0] != text(ids)[0]  # the ids are read, not the text behind them
+
+
 def test_text_parts_are_joined(client: openai.OpenAI, card: ModelCard) -> None:
     """OpenAI's list-of-parts content, all text: read as the parts joined."""
     parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": " world"}]
@@ -604,6 +620,14 @@ BAD_INPUT = [
      _chat(messages=[{"role": "user", "content": "hello " * 2100}]), 400, "messages"),
     ("body over the limit", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": "x" * 70_000}]), 413, None),
+    ("token id outside the vocabulary", "/v1/completions",
+     b'{"model": "MODEL", "prompt": [1, 2, 1000000000]}', 400, "prompt"),
+    ("negative token id", "/v1/completions", b'{"model": "MODEL", "prompt": [[1, -2]]}', 400,
+     "prompt"),
+    ("two token-id prompts", "/v1/completions", b'{"model": "MODEL", "prompt": [[1], [2]]}',
+     400, "prompt"),
+    ("empty token-id prompt", "/v1/completions", b'{"model": "MODEL", "prompt": [[]]}', 400,
+     "prompt"),
     ("completion prompt wrong type", "/v1/completions",
      b'{"model": "MODEL", "prompt": 5}', 422, "prompt"),
     ("completion prompt too long", "/v1/completions",
@@ -637,6 +661,9 @@ ERROR_MESSAGES = [
     # (name, path, body, status, the message) for errors whose cause a client must read
     ("several prompts", "/v1/completions", b'{"model": "MODEL", "prompt": ["a", "b"]}', 400,
      "prompt: only one prompt per request is supported, got 2: send one request per prompt"),
+    ("token id outside the vocabulary", "/v1/completions",
+     b'{"model": "MODEL", "prompt": [1, 2, 1000000000]}', 400,
+     "prompt: token id 1000000000 is not in this model's vocabulary (0-VOCAB)"),
     ("five stops, completion", "/v1/completions",
      b'{"model": "MODEL", "prompt": "a", "stop": ["a","b","c","d","e"]}', 422,
      "stop: at most 4 stop strings are supported, got 5"),
@@ -667,6 +694,7 @@ def test_error_messages_name_the_cause(serve, card: ModelCard, name: str, path: 
     server = _limited_server(serve)
     body = body.replace(b"MODEL", card.id.encode())
     got, reply = raw(server, "POST", path, body, {"Content-Type": "application/json"})
+    message = message.replace("VOCAB", str(card.tokenizer.vocab_size - 1))
     assert (got, reply["error"]["message"]) == (status, message)
 
 
