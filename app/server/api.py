@@ -197,7 +197,9 @@ class _Api:
 
     async def retrieve_model(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse(model_object(self._card(request.path_params["model_id"])))
+        if not (model_id := request.path_params["model_id"]):  # "/v1/models/": the list
+            return JSONResponse(models_list(self.backend.models()))
+        return JSONResponse(model_object(self._card(model_id)))
 
     async def chat(self, request: Request) -> Response:
         self._authorize(request)

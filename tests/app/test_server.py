@@ -112,11 +112,15 @@ def test_models_lists_the_served_model(client: openai.OpenAI, card: ModelCard) -
     assert ext(models[0])["context_window"] == 2048
 
 
-def test_models_retrieve_one(client: openai.OpenAI, card: ModelCard) -> None:
+def test_models_retrieve_one(client: openai.OpenAI, server: BackgroundServer,
+                             card: ModelCard) -> None:
     """`GET /v1/models/{id}`: the served model's object, as listed; an unknown id is a 404."""
     model = client.models.retrieve(card.id)
     assert model.model_dump() == client.models.list().data[0].model_dump()
     assert (model.id, model.object, model.owned_by) == (card.id, "model", "understudy")
+    # a base URL ending in "/" has clients ask for "/v1/models/": the list, not model ''
+    status, listed = raw(server, "GET", "/v1/models/", None, {})
+    assert status == 200 and [m["id"] for m in listed["data"]] == [card.id]
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-9")
     assert err.value.body["code"] == "model_not_found"
