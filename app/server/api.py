@@ -14,6 +14,7 @@ import hmac
 import itertools
 import json
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -92,9 +93,11 @@ def create_app(backend: EngineBackend, config: ServerConfig | None = None,
                 Route("/v1/models/{model_id:path}", api.retrieve_model, methods=["GET"]),
                 Route("/v1/chat/completions", api.chat, methods=["POST"]),
                 Route("/v1/completions", api.completions, methods=["POST"])],
-        exception_handlers={ApiError: _api_error, HTTPException: _http_error},
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error,
+                            Exception: _internal_error},
     )
     app.state.jobs = jobs
+    app.state.api = api
     app.state.on_rejected = on_rejected
     return app
 
@@ -105,12 +108,40 @@ async def _api_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
+# what a client may call, for the errors of one that called something else
+_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET"}
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
-    err = ApiError(exc.status_code, str(exc.detail), code="not_found"
+    err = ApiError(exc.status_code, _routing_message(request, exc), code="not_found"
                    if exc.status_code == 404 else None)
     _report_rejected(request, err.status, err.message)
     return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug: the client still gets an error object it can show (not Starlette's plain
+    "Internal Server Error"); the traceback goes to the server's log, where uvicorn puts it."""
+    err = ApiError(500, f"internal error ({type(exc).__name__}): {exc}", code="internal_error")
+    _report_rejected(request, err.status, err.message)
+    return JSONResponse(err.body(), status_code=500)
+
+
+def _routing_message(request: Request, exc: HTTPException) -> str:
+    """Starlette says only "Not Found" or "Method Not Allowed", which an SDK shows as all
+    there is to know; the usual cause is a base URL without `/v1`, so that is said."""
+    path, method = request.url.path, request.method
+    if exc.status_code == 405 and path in _ROUTES:
+        return f"{path} takes {_ROUTES[path]} requests, not {method}"
+    if exc.status_code != 404:
+        return str(exc.detail)
+    served = ", ".join(f"{m} {p}" for p, m in _ROUTES.items())
+    message = f"there is no {path} here; this server answers {served}"
+    if "/v1" + path.rstrip("/") in _ROUTES:
+        base = f"{request.url.scheme}://{request.url.netloc}/v1"
+        message += f": is the client's base URL missing /v1? It should be {base}"
+    return message
 
 
 _ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
@@ -130,11 +161,34 @@ def _report_rejected(request: Request, status: int, message: str) -> None:
         log.exception("request log callback failed")
 
 
+def close_requests(app: Starlette) -> None:
+    """The server is stopping: every request in hand ends now with a 503 saying so, and any
+    new one is refused. Call it before telling uvicorn to exit (any thread): uvicorn alone
+    would wait for the streams to end, then cut them, and a client would take the text it
+    had as a whole reply, since a cut stream looks like a finished one to the SDK."""
+    api = getattr(app.state, "api", None)
+    if isinstance(api, _Api):
+        api.close()
+
+
+SHUTTING_DOWN = "the server is shutting down"
+
+
 class _Api:
     def __init__(self, backend: EngineBackend, config: ServerConfig, jobs: JobQueue) -> None:
         self.backend = backend
         self.config = config
         self.jobs = jobs
+        self.closing = threading.Event()
+        self._live: set[Job] = set()  # jobs whose client still waits for their end
+        self._live_lock = threading.Lock()
+
+    def close(self) -> None:
+        self.closing.set()
+        with self._live_lock:
+            live = list(self._live)
+        for job in live:
+            job.cancel.set()
 
     # -- endpoints -----------------------------------------------------------------------
     async def list_models(self, request: Request) -> Response:
@@ -143,7 +197,9 @@ class _Api:
 
     async def retrieve_model(self, request: Request) -> Response:
         self._authorize(request)
-        return JSONResponse(model_object(self._card(request.path_params["model_id"])))
+        if not (model_id := request.path_params["model_id"]):  # "/v1/models/": the list
+            return JSONResponse(models_list(self.backend.models()))
+        return JSONResponse(model_object(self._card(model_id)))
 
     async def chat(self, request: Request) -> Response:
         self._authorize(request)
@@ -227,6 +283,8 @@ class _Api:
 
     # -- generation ----------------------------------------------------------------------
     async def _generate(self, request: Request, req: GenerationRequest) -> Response:
+        if self.closing.is_set():
+            raise _shutting_down()
         card = self._card(req.model)
         try:
             prompt_ids = await run_in_threadpool(_encode, card, req)
@@ -251,11 +309,26 @@ class _Api:
             raise ApiError(429, "the server is busy: too many requests are waiting; retry "
                            "shortly", code="queue_full",
                            headers={"Retry-After": str(self.config.retry_after_s)}) from None
-        reply = _Reply(job, req, events, int(time.time()))
+        with self._live_lock:
+            self._live.add(job)
+        reply = _Reply(job, req, events, int(time.time()), self.closing,
+                       lambda: self._forget(job))
         if req.stream:
-            return EventSourceResponse(reply.stream(), ping=15,
+            # the grace period: sse-starlette cancels a stream once it notices uvicorn's
+            # exit; by then `close_requests` has stopped the job, whose stream is left the
+            # moment it needs to say why (less than uvicorn's own 3 s)
+            return EventSourceResponse(reply.stream(), ping=15, shutdown_grace_period=2,
                                        client_close_handler_callable=reply.client_closed)
         return await reply.collect(request)
+
+    def _forget(self, job: Job) -> None:
+        with self._live_lock:
+            self._live.discard(job)
+
+
+def _shutting_down(detail: str = "") -> ApiError:
+    return ApiError(503, f"{SHUTTING_DOWN}{detail}; retry once it is back",
+                    code="server_shutting_down")
 
 
 def _encode(card: ModelCard, req: GenerationRequest) -> list[int]:
@@ -269,7 +342,14 @@ def _encode(card: ModelCard, req: GenerationRequest) -> list[int]:
         return tok.encode_chat(list(req.messages), add_generation_prompt=True,
                                continue_final=req.continue_final)
     assert req.prompt is not None
-    ids = tok.encode(req.prompt, add_special_tokens=True)
+    if isinstance(req.prompt, tuple):  # the client's own tokens, no BOS added (as vLLM)
+        ids = list(req.prompt)
+        vocab = tok.vocab_size
+        if (bad := next((i for i in ids if not 0 <= i < vocab), None)) is not None:
+            raise PromptError(f"prompt: token id {bad} is not in this model's vocabulary "
+                              f"(0-{vocab - 1})")
+    else:
+        ids = tok.encode(req.prompt, add_special_tokens=True)
     if not ids:
         raise PromptError("prompt: the prompt is empty")
     return ids
@@ -279,12 +359,27 @@ class _Reply:
     """One request's events turned into a response, streamed or whole."""
 
     def __init__(self, job: Job, req: GenerationRequest, events: asyncio.Queue[JobEvent],
-                 created: int) -> None:
+                 created: int, closing: threading.Event, done: Callable[[], None]) -> None:
         self.job = job
         self.req = req
         self.events = events
         self.created = created
+        self.closing = closing  # set: a cancelled job was stopped by the server's shutdown
+        self.done = done
         self.steps_by_drafter: Counter[str] = Counter()
+
+    def _cut_by_shutdown(self, event: JobEvent) -> ApiError | None:
+        """The error a job ended by the server's shutdown answers instead of its reply."""
+        if not self.closing.is_set():
+            return None
+        if isinstance(event, JobFailed) and event.status == 499:  # never started
+            return _shutting_down()
+        if isinstance(event, Finished) and event.stats.finish_reason == "cancelled":
+            n = event.stats.generated_tokens
+            return _shutting_down(f": the reply was cut short after {n} token"
+                                  f"{'' if n == 1 else 's'}" if n else
+                                  ": it stopped before the reply began")
+        return None
 
     def _extension(self, finished: Finished) -> dict[str, Any]:
         return final_extension(finished, self.job.options.drafter, self.steps_by_drafter)
@@ -298,6 +393,8 @@ class _Reply:
         try:
             while True:
                 event = await self.events.get()
+                if (cut := self._cut_by_shutdown(event)) is not None:
+                    return JSONResponse(cut.body(), status_code=cut.status)
                 if isinstance(event, Step):
                     self.steps_by_drafter[event.drafter] += 1
                 elif isinstance(event, Finished):
@@ -311,6 +408,7 @@ class _Reply:
         finally:
             watcher.cancel()
             self.job.cancel.set()  # no-op after Finished; stops the engine otherwise
+            self.done()
 
     async def _watch_disconnect(self, request: Request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -337,6 +435,11 @@ class _Reply:
             yield make("", first=True)
             while True:
                 event = await self.events.get()
+                if (cut := self._cut_by_shutdown(event)) is not None:
+                    # the SDK raises this (an `error` in a chunk) rather than taking the
+                    # text so far for the whole reply
+                    yield data(cut.body())
+                    break
                 if isinstance(event, Step):
                     self.steps_by_drafter[event.drafter] += 1
                     if held is not None:
@@ -350,12 +453,17 @@ class _Reply:
                     if held is not None:
                         cut = held.without_cut_mark()
                         yield make(cut.text, extension=step_extension(cut))
-                    # usage rides on the finish chunk too, so every stream reports it
+                    # Usage goes out once: on its own chunk when the client asked for it
+                    # (OpenAI's shape), else on the finish chunk, so every stream reports
+                    # it. Both would count it twice in clients that add up the usage of
+                    # every chunk (LangChain's streamed usage_metadata does).
+                    total = usage(event.stats)
                     yield make(None if req.endpoint == "chat" else "",
-                               finish=finish_reason(event.stats), usage_=usage(event.stats),
+                               finish=finish_reason(event.stats),
+                               usage_=None if req.include_usage else total,
                                extension=self._extension(event))
                     if req.include_usage:
-                        yield make(None, usage_=usage(event.stats), no_choices=True)
+                        yield make(None, usage_=total, no_choices=True)
                     break
                 elif isinstance(event, JobFailed):
                     err = ApiError(event.status if event.status < 499 else 500, event.message)
@@ -364,3 +472,4 @@ class _Reply:
             yield {"data": "[DONE]"}
         finally:
             job.cancel.set()  # a client gone mid-stream stops the engine at its next step
+            self.done()

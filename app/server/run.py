@@ -18,6 +18,7 @@ from engine.choices import DRAFTERS
 from engine.errors import EngineError
 
 if TYPE_CHECKING:
+    import uvicorn
     from starlette.applications import Starlette
 
 DEFAULT_HOST = "127.0.0.1"
@@ -71,21 +72,36 @@ def base_url(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
 
+def uvicorn_server(app: Starlette, log_level: str = "warning") -> uvicorn.Server:
+    """uvicorn for `app`, which ends the requests in hand as soon as it is told to stop.
+
+    uvicorn alone waits up to `timeout_graceful_shutdown` for open streams and then cuts
+    them without a word, which a client reads as a finished reply; `close_requests` first
+    ends each with a 503 saying the server is shutting down. A second Ctrl-C still forces
+    the exit at once (uvicorn's own handling)."""
+    import uvicorn
+
+    from app.server.api import close_requests
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            close_requests(app)
+            super().handle_exit(sig, frame)
+
+    return _Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                  timeout_graceful_shutdown=3))
+
+
 class BackgroundServer:
     """uvicorn serving `app` on its own thread; `stop()` shuts it down and joins."""
 
     def __init__(self, app: Starlette, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  log_level: str = "warning") -> None:
-        import uvicorn
-
         self.app = app
         self._sock = bind_socket(host, port)
         self.url = base_url(self._sock)
         # no signal handlers off the main thread; uvicorn skips them there by itself
-        # streams still open at stop() get a moment to end, then are cut (their jobs
-        # are cancelled as their clients go)
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
-                                                     timeout_graceful_shutdown=3))
+        self._server = uvicorn_server(app, log_level)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._sock]},
                                         name="understudy-server", daemon=True)
@@ -101,6 +117,10 @@ class BackgroundServer:
         return self.url
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Requests in hand end with a 503 (`close_requests`), then uvicorn exits."""
+        from app.server.api import close_requests
+
+        close_requests(self.app)
         self._server.should_exit = True
         if self._thread.is_alive():
             self._thread.join(timeout)
@@ -130,8 +150,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def serve(args: argparse.Namespace) -> int:
     """Load the model on the engine thread, then serve in the foreground until Ctrl-C."""
-    import uvicorn
-
     from app.server.api import ServerConfig, create_app
     from app.server.engine_thread import EngineSpec, EngineThread
 
@@ -148,13 +166,13 @@ def serve(args: argparse.Namespace) -> int:
         card = engine.start()
         config = ServerConfig(api_key=args.api_key, default_drafter=args.drafter,
                               max_waiting=args.queue)
-        app = create_app(engine, config, on_record=_print_record)
+        # refusals too: a developer whose tool gets a 400 looks here for the reason
+        app = create_app(engine, config, on_record=_print_record, on_rejected=_print_record)
         url = base_url(sock)
         print(f"serving {card.id} at {url} (drafter {args.drafter}); Ctrl-C to stop",
               flush=True)
         print(client_snippet(url, card.id, bool(args.api_key)), flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                               timeout_graceful_shutdown=3))
+        server = uvicorn_server(app)
         # uvicorn re-raises the Ctrl-C it handled once it has stopped; absorbed here so it
         # cannot interrupt the engine thread's join below (an unjoined MLX thread aborts)
         with contextlib.suppress(KeyboardInterrupt):
@@ -166,6 +184,10 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _print_record(r) -> None:
+    if r.status != 200:  # refused, or failed in the engine: its status and why
+        who = f"{r.endpoint} {r.model}" if r.model else r.endpoint
+        print(f"{who}: {r.status} {r.finish.removeprefix('error: ')}", flush=True)
+        return
     print(f"{r.endpoint} {r.model}: {r.prompt_tokens} prompt ({r.prefilled_tokens} prefilled) "
           f"+ {r.completion_tokens} tokens · {r.decode_tps:.1f} tok/s · tau {r.tau:.2f} · "
           f"{r.drafter} · {r.finish}", flush=True)

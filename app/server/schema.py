@@ -31,7 +31,8 @@ from engine.tuning import K_MAX
 
 DRAFTER_CHOICES = DRAFTERS  # the engine's list: a new drafter reaches the API with no edit here
 MAX_STOP_STRINGS = 4
-TEXT_ONLY = "text_only"  # the error type of a content part that is not text
+# the error type of a feature this server lacks (a 400, as tools are), not a malformed value
+UNSUPPORTED = "unsupported"
 
 
 class ApiError(Exception):
@@ -81,8 +82,19 @@ class Message(_Strict):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text" and isinstance(kind, str):
                     raise PydanticCustomError(
-                        TEXT_ONLY, "only text parts are supported, got a part of type {kind}",
+                        UNSUPPORTED, "only text parts are supported, got a part of type {kind}",
                         {"kind": repr(kind)})
+        return value
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _no_tool_results(cls, value: Any) -> Any:
+        """A tool's result is a role OpenAI defines: the client is told that tool calls are
+        what is missing, not that it misspelt a role."""
+        if value in ("tool", "function"):
+            raise PydanticCustomError(
+                UNSUPPORTED, "{role} messages (tool results) are not supported: this "
+                "server does not call tools", {"role": repr(value)})
         return value
 
     def text(self) -> str:
@@ -100,7 +112,10 @@ class StreamOptions(_Strict):
 Stop = StrictStr | list[StrictStr] | None
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)] | None
 TopP = Annotated[float, Field(gt=0.0, le=1.0)] | None
-Seed = Annotated[StrictInt, Field(ge=0, lt=2**64)] | None
+# OpenAI's seeds are int64s, so negative ones are valid there; -1 is "random" to llama.cpp's
+# server and the clients written for it (SillyTavern, KoboldCpp's), so it means that here
+Seed = Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)] | None
+RANDOM_SEED = -1
 MaxTokens = Annotated[StrictInt, Field(ge=1)] | None
 TopK = Annotated[StrictInt, Field(ge=0)] | None
 MinP = Annotated[float, Field(ge=0.0, le=1.0)] | None
@@ -140,7 +155,9 @@ class ChatBody(_Common):
 
 
 class CompletionBody(_Common):
-    prompt: StrictStr | list[StrictStr]
+    # OpenAI's four forms: text, token ids (lm-evaluation-harness sends these), or a list of
+    # either, which holds one prompt here
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
 
 
 # Fields we refuse when set to anything but their "off" value: honouring them is not
@@ -172,7 +189,7 @@ class GenerationRequest:
     endpoint: str  # "chat" | "completion"
     model: str
     messages: tuple[dict[str, str], ...] | None  # chat
-    prompt: str | None  # completion
+    prompt: str | tuple[int, ...] | None  # completion: text, or token ids taken as they are
     max_tokens: int | None  # None: up to the context window
     temperature: float
     top_p: float
@@ -200,7 +217,22 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    _refuse_lone_surrogates(text, data)
     return data
+
+
+def _refuse_lone_surrogates(text: str, data: dict[str, Any]) -> None:
+    """JSON may spell half a UTF-16 pair ("\\ud800"); Python decodes it to a string no
+    tokenizer or UTF-8 encoder takes, so it is refused here as the client's mistake rather
+    than failing deep in the tokenizer as a server error."""
+    if "\\u" not in text:  # a surrogate can only arrive as an escape: the body is UTF-8
+        return
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, "the request body is not valid JSON text: it holds an unpaired "
+                       "UTF-16 surrogate escape (such as \\ud800), which is not a "
+                       "character", code="invalid_unicode") from None
 
 
 def _validate(model: type[_Common], data: dict[str, Any]) -> Any:
@@ -209,7 +241,7 @@ def _validate(model: type[_Common], data: dict[str, Any]) -> Any:
     except ValidationError as e:
         err = _cause(e.errors())
         where = ".".join(str(p) for p in err["loc"] if not _is_union_tag(p)) or "body"
-        if err["type"] == TEXT_ONLY:  # a feature this server lacks, like tools: 400
+        if err["type"] == UNSUPPORTED:  # a feature this server lacks, like tools: 400
             raise ApiError(400, f"{where}: {err['msg']}", param=where,
                            code="unsupported_parameter") from None
         raise ApiError(422, f"{where}: {err['msg']}", param=where,
@@ -269,8 +301,16 @@ def fresh_seed() -> int:
     return secrets.randbits(64)
 
 
+def _seed(given: int | None) -> int:
+    """The sampler's seed (0 to 2**64): a fresh one for none or -1, and any other negative
+    seed as the same 64 bits unsigned, so it repeats its reply as a positive one does."""
+    if given is None or given == RANDOM_SEED:
+        return fresh_seed()
+    return given % 2**64
+
+
 def _common(body: _Common, endpoint: str, max_tokens: int | None,
-            messages: tuple[dict[str, str], ...] | None, prompt: str | None
+            messages: tuple[dict[str, str], ...] | None, prompt: str | tuple[int, ...] | None
             ) -> GenerationRequest:
     _refuse_unsupported(body)
     return GenerationRequest(
@@ -278,7 +318,7 @@ def _common(body: _Common, endpoint: str, max_tokens: int | None,
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
-        seed=fresh_seed() if body.seed is None else body.seed,
+        seed=_seed(body.seed),
         stop=_stop(body.stop), stream=bool(body.stream),
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         drafter=body.drafter, draft_k=body.draft_k,
@@ -315,11 +355,20 @@ def parse_chat(data: dict[str, Any]) -> GenerationRequest:
 def parse_completion(data: dict[str, Any]) -> GenerationRequest:
     """A /v1/completions body → GenerationRequest (OpenAI's default of 16 tokens)."""
     body = _validate(CompletionBody, data)
-    prompt = body.prompt if isinstance(body.prompt, str) else _one_prompt(body.prompt)
-    return _common(body, "completion", body.max_tokens or 16, None, prompt)
+    return _common(body, "completion", body.max_tokens or 16, None, _prompt(body.prompt))
 
 
-def _one_prompt(prompts: list[str]) -> str:
+def _prompt(given: str | list[str] | list[int] | list[list[int]]) -> str | tuple[int, ...]:
+    """The one prompt: text, or token ids (a flat list of ints is one prompt's ids)."""
+    if isinstance(given, str):
+        return given
+    if given and all(isinstance(i, int) for i in given):
+        return tuple(given)  # type: ignore[arg-type]
+    one = _one_prompt(given)  # type: ignore[arg-type]
+    return one if isinstance(one, str) else tuple(one)
+
+
+def _one_prompt(prompts: list[str] | list[list[int]]) -> str | list[int]:
     """OpenAI's list form of `prompt`, which this server takes with one prompt in it."""
     if not prompts:
         raise ApiError(422, "prompt: the list of prompts is empty", param="prompt",

@@ -112,11 +112,15 @@ def test_models_lists_the_served_model(client: openai.OpenAI, card: ModelCard) -
     assert ext(models[0])["context_window"] == 2048
 
 
-def test_models_retrieve_one(client: openai.OpenAI, card: ModelCard) -> None:
+def test_models_retrieve_one(client: openai.OpenAI, server: BackgroundServer,
+                             card: ModelCard) -> None:
     """`GET /v1/models/{id}`: the served model's object, as listed; an unknown id is a 404."""
     model = client.models.retrieve(card.id)
     assert model.model_dump() == client.models.list().data[0].model_dump()
     assert (model.id, model.object, model.owned_by) == (card.id, "model", "understudy")
+    # a base URL ending in "/" has clients ask for "/v1/models/": the list, not model ''
+    status, listed = raw(server, "GET", "/v1/models/", None, {})
+    assert status == 200 and [m["id"] for m in listed["data"]] == [card.id]
     with pytest.raises(openai.NotFoundError) as err:
         client.models.retrieve("gpt-9")
     assert err.value.body["code"] == "model_not_found"
@@ -145,6 +149,21 @@ def test_chat_usage_and_stream_match(client: openai.OpenAI, card: ModelCard) -> 
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    # reported once, as OpenAI does: a client adding up every chunk's usage counts 12
+    assert sum(c.usage.completion_tokens for c in chunks if c.usage) == 12
+
+
+def test_a_stream_without_include_usage_reports_it_on_the_finish(client: openai.OpenAI,
+                                                                 card: ModelCard) -> None:
+    for endpoint in (client.chat.completions, client.completions):
+        body = {"messages": HELLO} if endpoint is client.chat.completions else {"prompt": "Hi"}
+        chunks = list(endpoint.create(model=card.id, max_tokens=5, seed=1, stream=True, **body))
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert [c.usage.completion_tokens for c in chunks if c.usage] == [5]
+        with_usage = list(endpoint.create(model=card.id, max_tokens=5, seed=1, stream=True,
+                                          stream_options={"include_usage": True}, **body))
+        assert with_usage[-2].usage is None and with_usage[-1].choices == []
+        assert [c.usage.completion_tokens for c in with_usage if c.usage] == [5]
 
 
 def test_completions_raw_prompt_no_template(client: openai.OpenAI, card: ModelCard) -> None:
@@ -158,6 +177,22 @@ def test_completions_raw_prompt_no_template(client: openai.OpenAI, card: ModelCa
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=card.id, prompt=prompt, max_tokens=8, temperature=0, stream=True) if c.choices)
     assert streamed == reply.choices[0].text
+
+
+def test_completions_take_a_prompt_as_token_ids(client: openai.OpenAI,
+                                                card: ModelCard) -> None:
+    """OpenAI's token-id forms of `prompt` (lm-evaluation-harness sends them): the ids are
+    read as given, so the reply is the text prompt's when they are its tokens."""
+    prompt = "def add(a, b):"
+    ids = card.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def text(given) -> tuple[str, int]:
+        reply = client.completions.create(model=card.id, prompt=given, max_tokens=8,
+                                          temperature=0.9, seed=4)
+        return reply.choices[0].text, reply.usage.prompt_tokens
+
+    assert text(ids) == text([ids]) == text(prompt) == (text(prompt)[0], len(ids))
+    assert text(ids[1:])[0] != text(ids)[0]  # the ids are read, not the text behind them
 
 
 def test_text_parts_are_joined(client: openai.OpenAI, card: ModelCard) -> None:
@@ -260,6 +295,10 @@ def test_without_a_seed_each_request_samples_anew(client: openai.OpenAI,
     unseeded = {run() for _ in range(3)}
     assert len(unseeded) == 3
     assert run(seed=7) == run(seed=7) == run("model", seed=7)
+    # -1 is "random" to llama.cpp-style clients; other negatives (OpenAI's seeds are int64)
+    # repeat like any seed, as the same 64 bits unsigned
+    assert len({run(seed=-1) for _ in range(3)}) == 3
+    assert run(seed=-5) == run(seed=2**64 - 5) != run(seed=5)
 
 
 def test_sampling_extensions_are_honoured_and_stay_lossless(client: openai.OpenAI,
@@ -365,6 +404,52 @@ def test_full_queue_gets_429_with_retry_after(serve, card: ModelCard) -> None:
     assert ok.usage.completion_tokens == 2  # room again once the engine ended both
 
 
+def test_stopping_the_server_tells_each_client_its_request_was_cut(serve,
+                                                                    card: ModelCard) -> None:
+    """Stop (the app's Stop Server) while one reply streams, one is collected whole and one
+    waits: each client gets a 503 saying the server is shutting down, at once, instead of
+    a stream that just stops (read as a whole reply) or a dropped connection."""
+    server = serve()
+    client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=LONG,
+                                            temperature=0, stream=True,
+                                            extra_body={"drafter": "none"})
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    errors: dict[str, openai.APIStatusError] = {}
+
+    def whole(name: str) -> None:
+        try:
+            client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=LONG,
+                                           temperature=0)
+        except openai.APIStatusError as e:
+            errors[name] = e
+
+    waiting = [threading.Thread(target=whole, args=(n,)) for n in ("first", "second")]
+    for thread in waiting:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while jobs(server).in_flight < 3:
+        assert time.monotonic() < deadline, "the two requests did not reach the queue"
+        time.sleep(0.01)
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 2.9  # sooner than uvicorn's 3 s grace for streams
+    with pytest.raises(openai.APIError, match=r"the server is shutting down: the reply was "
+                       r"cut short after \d+ tokens; retry once it is back"):
+        for _chunk in chunks:
+            pass
+    for thread in waiting:
+        thread.join(30)
+    assert sorted(errors) == ["first", "second"]
+    for e in errors.values():  # both queued behind the stream, never started
+        assert e.status_code == 503
+        assert e.body["code"] == "server_shutting_down"
+        assert e.body["message"] == "the server is shutting down; retry once it is back"
+    wait_idle(server)
+
+
 # ---------------------------------------------------------------------------- API key
 
 
@@ -425,13 +510,29 @@ def test_serve_command_serves_then_stops_cleanly_on_ctrl_c(engine) -> None:
         client = openai.OpenAI(base_url=found.group(1), api_key="sekret-key", max_retries=0)
         reply = client.chat.completions.create(model="target", messages=HELLO, max_tokens=3)
         assert reply.usage.completion_tokens == 3
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="target", messages=HELLO, n=2)
+        # Ctrl-C mid-stream: the client is told its reply was cut, not left with a stream
+        # that merely stops (which the SDK takes for a whole reply)
+        stream = client.chat.completions.create(model="target", messages=HELLO,
+                                                max_tokens=LONG, temperature=0, stream=True)
+        for i, _chunk in enumerate(stream):
+            if i == 3:
+                break
         proc.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="the server is shutting down: the reply "
+                           "was cut short after"):
+            for _chunk in stream:
+                pass
         out, _ = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
+    assert "Traceback" not in out
     assert "chat target: " in out and "+ 3 tokens" in out
+    # a refused request is logged with its status and reason, where its developer looks
+    assert "chat: 400 n > 1 is not supported: ask for one choice per request\n" in out
     assert "terminate called" not in out and "sekret-key" not in "".join(lines) + out
 
 
@@ -461,6 +562,12 @@ BAD_INPUT = [
     ("invalid UTF-8", "/v1/chat/completions",
      b'{"model": "MODEL", "messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
     ("not an object", "/v1/chat/completions", b"[1, 2]", 400, None),
+    # valid JSON syntax, but half a UTF-16 pair is no character: the tokenizer cannot take it
+    ("unpaired surrogate", "/v1/chat/completions",
+     b'{"model": "MODEL", "messages": [{"role": "user", "content": "a\\ud800b"}]}', 400,
+     None),
+    ("unpaired surrogate, completion", "/v1/completions",
+     b'{"model": "MODEL", "prompt": "\\udfff"}', 400, None),
     ("max_tokens wrong type", "/v1/chat/completions", _chat(max_tokens="ten"), 422,
      "max_tokens"),
     ("max_tokens bool", "/v1/chat/completions", _chat(max_tokens=True), 422, "max_tokens"),
@@ -477,7 +584,7 @@ BAD_INPUT = [
     ("temperature negative", "/v1/chat/completions", _chat(temperature=-0.1), 422,
      "temperature"),
     ("top_p zero", "/v1/chat/completions", _chat(top_p=0), 422, "top_p"),
-    ("seed negative", "/v1/chat/completions", _chat(seed=-1), 422, "seed"),
+    ("seed below int64", "/v1/chat/completions", _chat(seed=-(2**63) - 1), 422, "seed"),
     ("stream not bool", "/v1/chat/completions", _chat(stream="yes"), 422, "stream"),
     ("too many stops", "/v1/chat/completions", _chat(stop=["a", "b", "c", "d", "e"]), 422,
      "stop"),
@@ -519,6 +626,14 @@ BAD_INPUT = [
      _chat(messages=[{"role": "user", "content": "hello " * 2100}]), 400, "messages"),
     ("body over the limit", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": "x" * 70_000}]), 413, None),
+    ("token id outside the vocabulary", "/v1/completions",
+     b'{"model": "MODEL", "prompt": [1, 2, 1000000000]}', 400, "prompt"),
+    ("negative token id", "/v1/completions", b'{"model": "MODEL", "prompt": [[1, -2]]}', 400,
+     "prompt"),
+    ("two token-id prompts", "/v1/completions", b'{"model": "MODEL", "prompt": [[1], [2]]}',
+     400, "prompt"),
+    ("empty token-id prompt", "/v1/completions", b'{"model": "MODEL", "prompt": [[]]}', 400,
+     "prompt"),
     ("completion prompt wrong type", "/v1/completions",
      b'{"model": "MODEL", "prompt": 5}', 422, "prompt"),
     ("completion prompt too long", "/v1/completions",
@@ -552,6 +667,9 @@ ERROR_MESSAGES = [
     # (name, path, body, status, the message) for errors whose cause a client must read
     ("several prompts", "/v1/completions", b'{"model": "MODEL", "prompt": ["a", "b"]}', 400,
      "prompt: only one prompt per request is supported, got 2: send one request per prompt"),
+    ("token id outside the vocabulary", "/v1/completions",
+     b'{"model": "MODEL", "prompt": [1, 2, 1000000000]}', 400,
+     "prompt: token id 1000000000 is not in this model's vocabulary (0-VOCAB)"),
     ("five stops, completion", "/v1/completions",
      b'{"model": "MODEL", "prompt": "a", "stop": ["a","b","c","d","e"]}', 422,
      "stop: at most 4 stop strings are supported, got 5"),
@@ -565,6 +683,10 @@ ERROR_MESSAGES = [
     ("text part without text", "/v1/chat/completions",
      _chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), 422,
      "messages.0.content.0.text: Field required"),
+    ("a tool result", "/v1/chat/completions",
+     _chat(messages=[*HELLO, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]),
+     400, "messages.1.role: 'tool' messages (tool results) are not supported: this server "
+     "does not call tools"),
     ("JSON mode", "/v1/chat/completions", _chat(response_format={"type": "json_object"}), 400,
      "response_format (JSON mode, structured outputs) is not supported by this server: "
      "replies are plain text"),
@@ -578,7 +700,75 @@ def test_error_messages_name_the_cause(serve, card: ModelCard, name: str, path: 
     server = _limited_server(serve)
     body = body.replace(b"MODEL", card.id.encode())
     got, reply = raw(server, "POST", path, body, {"Content-Type": "application/json"})
+    message = message.replace("VOCAB", str(card.tokenizer.vocab_size - 1))
     assert (got, reply["error"]["message"]) == (status, message)
+
+
+def test_an_emoji_as_a_surrogate_pair_escape_is_one_character(client: openai.OpenAI,
+                                                              card: ModelCard) -> None:
+    """ensure_ascii JSON (Python's default) spells 😀 as "\\ud83d\\ude00": a whole pair is
+    a character, not the unpaired half refused above."""
+    server_url = urlsplit(str(client.base_url))
+    conn = http.client.HTTPConnection(server_url.hostname, server_url.port, timeout=60)
+    body = json.dumps({"model": card.id, "max_tokens": 1,
+                       "messages": [{"role": "user", "content": "smile 😀"}]})
+    assert "\\ud83d\\ude00" in body
+    conn.request("POST", "/v1/chat/completions", body=body,
+                 headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    ids = card.tokenizer.encode_chat([{"role": "user", "content": "smile 😀"}])
+    assert json.loads(response.read())["usage"]["prompt_tokens"] == len(ids)
+
+
+class _BrokenBackend:
+    """A backend with a bug: it cannot even list its models."""
+
+    def models(self) -> list[ModelCard]:
+        raise RuntimeError("the model list is broken")
+
+    def submit(self, job) -> None:
+        raise AssertionError("nothing should reach the engine")
+
+
+def test_a_server_bug_still_answers_an_error_object() -> None:
+    """Starlette's own answer to an exception is a plain-text "Internal Server Error" that an
+    OpenAI client can only show as a bare status; ours is an error object naming the cause."""
+    server = BackgroundServer(create_app(_BrokenBackend()), port=0)
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.models.list()
+    finally:
+        server.stop()
+    assert err.value.status_code == 500
+    assert err.value.body["code"] == "internal_error"
+    assert err.value.body["message"] == "internal error (RuntimeError): the model list is broken"
+
+
+def test_a_base_url_without_v1_is_named_as_the_cause(client: openai.OpenAI,
+                                                    server: BackgroundServer,
+                                                    card: ModelCard) -> None:
+    """The usual slip: base_url "http://host:port" without /v1. The SDK shows the message,
+    so it says what to set, not only "Not Found"."""
+    root = server.url.removesuffix("/v1")
+    slipped = openai.OpenAI(base_url=root, api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        slipped.chat.completions.create(model=card.id, messages=HELLO, max_tokens=1)
+    assert err.value.body["message"] == (
+        "there is no /chat/completions here; this server answers POST /v1/chat/completions, "
+        "POST /v1/completions, GET /v1/models: is the client's base URL missing /v1? It "
+        f"should be {server.url}")
+    with pytest.raises(openai.NotFoundError, match=f"It should be {server.url}"):
+        slipped.models.list()
+    status, body = raw(server, "POST", "/v1/embeddings", b"{}", {})
+    assert status == 404 and body["error"]["message"].startswith(
+        "there is no /v1/embeddings here; this server answers POST /v1/chat/completions")
+    assert "missing /v1" not in body["error"]["message"]
+    status, body = raw(server, "GET", "/v1/chat/completions", None, {})
+    assert (status, body["error"]["message"]) == (
+        405, "/v1/chat/completions takes POST requests, not GET")
 
 
 def test_a_plain_text_response_format_is_accepted(client: openai.OpenAI,
