@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMessageBox,
+    QPushButton,
     QScrollArea,
     QSizePolicy,
     QTextBrowser,
@@ -31,6 +32,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.store import FAILED, GENERATING, INTERRUPTED, STOPPED, Message, stats_from_dict
+from app.ui.chat_paging import batch_start
 from app.ui.controller import ChatController, continuable, sent_to_model
 from app.ui.theme import widget_is_dark
 from app.ui.token_render import (
@@ -315,8 +317,14 @@ class ChatView(QWidget):
         self.show_speculation = True
         self.show_rejected = True
         self.cards: list[MessageCard] = []
+        # the open conversation's messages older than the first card, not shown yet
+        # (without steps): a long chat opens at its newest (`app.ui.chat_paging`)
+        self.earlier: list[Message] = []
         self._dirty: set[int] = set()
         self._follow = True
+        # while set, the view keeps this card this far below its top as the column grows
+        # above it (earlier messages shown), so the message being read stays in view
+        self._anchor: tuple[MessageCard, int] | None = None
 
         self.legend = Legend()
         self.speculation_box = QCheckBox("Show speculation")
@@ -343,6 +351,11 @@ class ChatView(QWidget):
         self.empty_label.setObjectName("emptyHint")
         self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.column_layout.insertWidget(0, self.empty_label)
+        self.earlier_button = QPushButton("Show Earlier Messages")
+        self.earlier_button.setObjectName("earlierButton")
+        self.earlier_button.clicked.connect(self.show_earlier)
+        self.earlier_button.hide()
+        self.column_layout.insertWidget(0, self.earlier_button, 0, Qt.AlignmentFlag.AlignHCenter)
         # where the newest reply's prompt began, when the conversation outgrew the window
         self.context_divider = QLabel("The model no longer reads the messages above: the "
                                       "conversation outgrew its context window")
@@ -450,16 +463,50 @@ class ChatView(QWidget):
             self.column_layout.removeWidget(card)
             card.deleteLater()
         self.cards.clear()
+        self.earlier = []
         self._dirty.clear()
 
     def _on_conversation_opened(self, messages: list[Message]) -> None:
         self._clear()
-        for m in messages:
+        start = batch_start(messages, len(messages))
+        self.earlier = list(messages[:start])
+        for m in self.controller.with_steps(messages[start:]):
             self._append_card(m)
         self._follow = True
+        self._anchor = None
+        self._update_earlier()
         self._update_empty()
         self._place_context_divider()
         self._update_continue()
+
+    def show_earlier(self) -> None:
+        """Show the next batch of the conversation's earlier messages above the first
+        card, keeping the message in view where it is."""
+        if not self.earlier:
+            return
+        start = batch_start(self.earlier, len(self.earlier))
+        batch = self.controller.with_steps(self.earlier[start:])
+        del self.earlier[start:]
+        if self.cards:
+            self._anchor = (self.cards[0],
+                            self.cards[0].y() - self.scroll.verticalScrollBar().value())
+        self._follow = False
+        self.column_layout.removeWidget(self.context_divider)  # (placed again below)
+        at = self.column_layout.indexOf(self.cards[0]) if self.cards else \
+            self.column_layout.count() - 1
+        cards = [self._new_card(m) for m in batch]
+        for i, card in enumerate(cards):
+            self.column_layout.insertWidget(at + i, card)
+        self.cards[:0] = cards
+        self._update_earlier()
+        self._place_context_divider()
+        self._update_continue()
+
+    def _update_earlier(self) -> None:
+        n = len(self.earlier)
+        self.earlier_button.setText(
+            f"Show Earlier Messages ({n} more)" if n != 1 else "Show Earlier Message")
+        self.earlier_button.setVisible(bool(n))
 
     def _update_continue(self) -> None:
         """Offer Continue on the conversation's last message alone, when it is a reply cut
@@ -487,19 +534,25 @@ class ChatView(QWidget):
             stats = card.live_stats or stats_from_dict(card.message.stats)
             if stats is None or not stats.dropped_messages:
                 return
+            # the messages not shown yet come first in what was sent
+            hidden = sum(sent_to_model(m) for m in self.earlier)
             sent = [c for c in self.cards[:i] if sent_to_model(c.message)]
-            if stats.dropped_messages < len(sent):
-                at = self.column_layout.indexOf(sent[stats.dropped_messages])
+            if hidden <= stats.dropped_messages < hidden + len(sent):
+                at = self.column_layout.indexOf(sent[stats.dropped_messages - hidden])
                 self.column_layout.insertWidget(at, self.context_divider)
                 self.context_divider.show()
             return
 
-    def _append_card(self, message: Message) -> MessageCard:
+    def _new_card(self, message: Message) -> MessageCard:
         card = MessageCard(message, self)
         card.copy_requested.connect(self._on_copy_requested)
         card.edit_requested.connect(self._on_edit_requested)
         card.regenerate_requested.connect(self._on_regenerate_requested)
         card.continue_requested.connect(self.controller.continue_reply)
+        return card
+
+    def _append_card(self, message: Message) -> MessageCard:
+        card = self._new_card(message)
         self.column_layout.insertWidget(self.column_layout.count() - 1, card)
         self.cards.append(card)
         return card
@@ -512,6 +565,7 @@ class ChatView(QWidget):
             return
         self._append_card(message)
         self._follow = True
+        self._anchor = None
         self._update_empty()
         self._update_continue()
 
@@ -588,7 +642,16 @@ class ChatView(QWidget):
     def _on_scrolled(self, value: int) -> None:
         bar = self.scroll.verticalScrollBar()
         self._follow = value >= bar.maximum() - 24
+        if self._anchor is not None and value != self._anchored_value():
+            self._anchor = None  # the user scrolled: the view is theirs again
+
+    def _anchored_value(self) -> int:
+        card, offset = self._anchor
+        return card.y() - offset
 
     def _on_range_changed(self, _min: int, maximum: int) -> None:
-        if self._follow:
-            self.scroll.verticalScrollBar().setValue(maximum)
+        bar = self.scroll.verticalScrollBar()
+        if self._anchor is not None:
+            bar.setValue(self._anchored_value())
+        elif self._follow:
+            bar.setValue(maximum)
