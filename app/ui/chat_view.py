@@ -39,12 +39,13 @@ from app.ui.token_render import (
     COPY_SCHEME,
     KIND_STYLES,
     LEGEND_ORDER,
+    TokensHtml,
     footer_text,
     kind_css,
     markdown_html,
-    tokens_html,
     user_message_html,
     wrap_pre,
+    wrap_pre_inline,
 )
 from engine.events import Stats, Step
 
@@ -66,6 +67,12 @@ class TokenBrowser(QTextBrowser):
     def __init__(self, parent: QWidget | None = None, *, fit_height: bool = True) -> None:
         super().__init__(parent)
         self.code_blocks: list[str] = []
+        # the steps shown with their token colours, and the writer that wrote them (None
+        # while the box shows anything else): a step added is written alone
+        self._writer: TokensHtml | None = None
+        self._shown: list[Step] = []
+        self._length = 0  # the document's length as they left it (else it was changed since)
+        self.steps_rendered = 0  # steps written as HTML over the box's life (work done)
         self.setOpenLinks(False)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.anchorClicked.connect(self._on_anchor_clicked)
@@ -86,13 +93,43 @@ class TokenBrowser(QTextBrowser):
 
         The chat's cards and the comparison's panes both show replies through this.
         """
+        self.code_blocks = []
         if speculation and steps:
-            self.code_blocks = []
-            self.setHtml(wrap_pre(tokens_html(steps, show_rejected=show_rejected, dark=dark)))
+            self._show_tokens(steps, show_rejected, dark)
         else:
             rendered = markdown_html(text, dark)
-            self.code_blocks = rendered.code_blocks
-            self.setHtml(rendered.html)
+            self.show_html(rendered.html, rendered.code_blocks)
+
+    def show_html(self, html: str, code_blocks: list[str]) -> None:
+        """Anything but a reply's coloured tokens (a user's message, clean Markdown)."""
+        self._writer = None
+        self._shown = []
+        self.code_blocks = code_blocks
+        self.setHtml(html)
+
+    def _show_tokens(self, steps: Sequence[Step], show_rejected: bool, dark: bool) -> None:
+        """Write only the steps not shown yet when those shown are how `steps` begins (a
+        reply streaming, or finished as it streamed), in the same style; else all of them."""
+        writer, shown = self._writer, self._shown
+        n = len(shown)
+        if (writer is not None and writer.show_rejected == show_rejected
+                and writer.dark == dark and 0 < n <= len(steps)
+                and self.document().characterCount() == self._length
+                and (steps[n - 1] is shown[-1] or list(steps[:n]) == shown)):
+            new = steps[n:]
+            if new:
+                cursor = QTextCursor(self.document())
+                cursor.movePosition(QTextCursor.MoveOperation.End)
+                cursor.insertHtml(wrap_pre_inline("".join(writer.step(s) for s in new)))
+                shown.extend(new)
+                self.steps_rendered += len(new)
+                self._length = self.document().characterCount()
+            return
+        writer = TokensHtml(show_rejected=show_rejected, dark=dark)
+        self.setHtml(wrap_pre("".join(writer.step(s) for s in steps)))
+        self._writer, self._shown = writer, list(steps)
+        self.steps_rendered += len(steps)
+        self._length = self.document().characterCount()
 
     def _fit_height(self, *_: object) -> None:
         self.setFixedHeight(int(self.document().size().height()) + 4)
@@ -138,6 +175,9 @@ class MessageCard(QFrame):
         self.view = view
         self.message = message
         self.steps: list[Step] = list(message.steps)
+        # each step's text, kept as it arrives: joining them is cheap where taking every
+        # step's text from its tokens again at each refresh grew with the reply
+        self._texts = [s.text for s in self.steps]
         self.live_stats: Stats | None = None
         self.setObjectName("userMessage" if message.role == "user" else "assistantMessage")
         self.role_label = QLabel("You" if message.role == "user" else "Assistant")
@@ -217,19 +257,21 @@ class MessageCard(QFrame):
 
     def add_step(self, step: Step, stats: Stats) -> None:
         self.steps.append(step)
+        self._texts.append(step.text)
         self.live_stats = stats
 
     def finish(self, message: Message) -> None:
         """The reply as stored when it ends, or (a continuation starting) when it resumes."""
         self.message = message
         self.steps = list(message.steps)
+        self._texts = [s.text for s in self.steps]
         self.live_stats = None
         self.render()
 
     def text(self) -> str:
         """The reply's committed text as it stands (streaming or final)."""
         if self.message.status == GENERATING:
-            return "".join(s.text for s in self.steps)
+            return "".join(self._texts)
         return self.message.content
 
     def render(self) -> None:
@@ -237,8 +279,7 @@ class MessageCard(QFrame):
         m = self.message
         if m.role != "assistant":
             rendered = user_message_html(m.content, dark)  # pasted code shows as code
-            self.browser.code_blocks = rendered.code_blocks
-            self.browser.setHtml(rendered.html)
+            self.browser.show_html(rendered.html, rendered.code_blocks)
         else:
             self.browser.show_reply(self.steps, self.text(), speculation=self.view.show_speculation,
                                     show_rejected=self.view.show_rejected, dark=dark)

@@ -189,35 +189,59 @@ class FenceTracker:
         return before or self.in_code()
 
 
-def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool = False) -> str:
-    """A reply with every token styled by its fate, in the steps' display order (inner
-    HTML for a pre-wrap block); `show_rejected` off drops the ghosts."""
-    out: list[str] = []
-    marked: set[str] = set()  # one marker per reason; later steps are only underlined
-    fences = FenceTracker()
-    for step in steps:
-        if step.error and step.error not in marked:
-            marked.add(step.error)
+class TokensHtml:
+    """Writes a reply's steps as styled HTML one step at a time, so a reply being
+    streamed can add each new step's spans to what is shown rather than render the whole
+    reply again (which made each step cost as much as the reply so far: seconds of a
+    frozen window per step near the end of a reply of thousands of tokens). What
+    crosses steps is kept here: the open code fence, the fallback reasons already marked.
+    """
+
+    def __init__(self, *, show_rejected: bool = True, dark: bool = False) -> None:
+        self.show_rejected = show_rejected
+        self.dark = dark
+        self.marked: set[str] = set()  # one marker per reason; later steps are only underlined
+        self.fences = FenceTracker()
+
+    def step(self, step: Step) -> str:
+        """The inner HTML (for a pre-wrap block) of the next step."""
+        out: list[str] = []
+        dark = self.dark
+        if step.error and step.error not in self.marked:
+            self.marked.add(step.error)
             out.append(warning_span(step.error, dark))
         previous: Token | None = None
         for token in step.tokens:
             if token.kind is TokenKind.REJECTED:
-                if not show_rejected:
+                if not self.show_rejected:
                     continue
                 if (previous is not None and previous.kind is TokenKind.REJECTED
                         and previous.branch != token.branch):
                     out.append(ghost_separator(dark))
-                code = fences.in_code()  # a ghost is not part of the text
+                code = self.fences.in_code()  # a ghost is not part of the text
             else:
-                code = fences.feed(token.text)
+                code = self.fences.feed(token.text)
             out.append(token_span(token, dark, step.error, code))
             previous = token
-    return "".join(out)
+        return "".join(out)
+
+
+def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool = False) -> str:
+    """A reply with every token styled by its fate, in the steps' display order (inner
+    HTML for a pre-wrap block); `show_rejected` off drops the ghosts."""
+    writer = TokensHtml(show_rejected=show_rejected, dark=dark)
+    return "".join(writer.step(step) for step in steps)
 
 
 def wrap_pre(inner: str) -> str:
     """A block that keeps spaces and newlines as they are (token text is raw text)."""
     return f'<div style="white-space:pre-wrap">{inner}</div>'
+
+
+def wrap_pre_inline(inner: str) -> str:
+    """`wrap_pre` for HTML added at the end of a block that `wrap_pre` opened (a block
+    element there would start a new paragraph)."""
+    return f'<span style="white-space:pre-wrap">{inner}</span>'
 
 
 def plain_html(text: str) -> str:

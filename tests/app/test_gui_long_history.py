@@ -7,8 +7,17 @@ from pathlib import Path
 
 from app.store import COMPLETE, Message, Store
 from app.ui.chat_paging import batch_start
+from app.ui.chat_view import TokenBrowser
+from app.ui.theme import widget_is_dark
 from engine.events import Stats, Step, Token, TokenKind
-from tests.app.test_gui import plain_settings
+from tests.app.test_gui import (
+    TIMEOUT,
+    fragments,
+    kind_of,
+    plain_settings,
+    spec_settings,
+    wait_idle,
+)
 
 TURNS = 60
 STEPS = 20  # per reply, of 100 characters each: a reply of 2,000
@@ -149,3 +158,27 @@ def test_the_context_divider_counts_the_messages_not_shown(qtbot, make_gui, tiny
     assert (view.column_layout.indexOf(view.context_divider)
             == view.column_layout.indexOf(view.card_for(ids[10])) - 1)
 
+
+def test_a_streaming_reply_writes_each_step_once(qtbot, make_gui, tiny_pair) -> None:
+    """Each refresh adds the new steps' tokens to the card: a reply of n steps is written
+    as HTML n times in all, not once per step in full (quadratic in its length), and
+    reads exactly as the reply rendered whole."""
+    gui = make_gui(spec_settings(*tiny_pair, max_tokens=120))
+    gui.controller.send("Write at length")
+    card = gui.window.chat_view.cards[-1]
+    qtbot.waitUntil(lambda: len(card.steps) >= 10, timeout=TIMEOUT)
+    wait_idle(qtbot, gui)
+    reply = gui.store.messages(gui.controller.conversation_id)[-1]
+    assert len(reply.steps) > 30
+    assert card.browser.steps_rendered == len(reply.steps)
+    whole = TokenBrowser()
+    qtbot.addWidget(whole)
+    whole.show_reply(reply.steps, reply.content, speculation=True, show_rejected=True,
+                     dark=widget_is_dark(gui.window.chat_view))
+    assert list(fragments(card.document())) == list(fragments(whole.document()))
+    kinds = {kind_of(f) for _, f, _ in fragments(card.document())}
+    assert {TokenKind.REJECTED, TokenKind.REPLACED} <= kinds
+
+    # a view toggle renders the reply again, in full, once
+    gui.window.chat_view.set_show_rejected(False)
+    assert card.browser.steps_rendered == 2 * len(reply.steps)
