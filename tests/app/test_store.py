@@ -287,3 +287,25 @@ def test_hand_damaged_rows_lose_only_what_is_unreadable(tmp_path: Path) -> None:
     db.commit()
     db.close()
     assert Store(path).message(reply.id).steps == tuple(spec_step(i) for i in range(3))
+
+
+def test_continuing_a_reply_that_lost_a_step_appends_after_its_last(tmp_path: Path) -> None:
+    """A repaired history keeps the steps that still read, with their numbers, so a reply
+    may have a gap; a continuation's steps go after its last one. (Numbering by the count
+    of steps put the new one on a number in use, and Continue failed on the constraint.)"""
+    path = tmp_path / "h.sqlite3"
+    store = Store(path)
+    conv = store.create_conversation()
+    store.add_message(conv.id, "user", "go")
+    reply = store.begin_reply(conv.id, model="demo", settings={})
+    for i in range(4):
+        store.append_step(reply.id, spec_step(i))
+    store.finish_reply(reply.id, status=STOPPED)
+    store.close()
+    with sqlite3.connect(path) as db:  # the page holding step 1 was lost in the repair
+        db.execute("DELETE FROM steps WHERE message_id = ? AND idx = 1", (reply.id,))
+    store = Store(path)
+    store.resume_reply(reply.id)
+    store.append_step(reply.id, spec_step(9))
+    steps = store.message(reply.id).steps
+    assert steps == (spec_step(0), spec_step(2), spec_step(3), spec_step(9))
