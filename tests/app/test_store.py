@@ -309,3 +309,28 @@ def test_continuing_a_reply_that_lost_a_step_appends_after_its_last(tmp_path: Pa
     store.append_step(reply.id, spec_step(9))
     steps = store.message(reply.id).steps
     assert steps == (spec_step(0), spec_step(2), spec_step(3), spec_step(9))
+
+
+def test_a_history_with_many_problems_names_a_few_on_one_line(tmp_path: Path) -> None:
+    """SQLite's quick check names up to a hundred problems in one row of many lines (here
+    the pages a big history's deleted chats left, no longer on the free list); the banner
+    names three, on one line, and says how many more."""
+    path = tmp_path / "history.sqlite3"
+    store = Store(path)
+    conv = store.create_conversation("kept")
+    for i in range(300):
+        store.add_message(conv.id, "user", f"long paste {i} " + "y" * 3000)
+    store.delete_messages_from(conv.id, 20)
+    store.close()
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = bytearray(path.read_bytes())
+    assert int.from_bytes(data[36:40], "big") > 100  # free pages
+    data[32:40] = bytes(8)  # the header forgets the free list
+    path.write_bytes(bytes(data))
+
+    repair = Store(path).repair
+    assert repair is not None
+    assert repair.reason.count("is never used") == 3
+    assert "\n" not in repair.reason and repair.reason.endswith("is never used; 97 more")
+    assert repair.messages == 20  # every message still read
