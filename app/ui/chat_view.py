@@ -43,6 +43,7 @@ from app.ui.token_render import (
     footer_text,
     kind_css,
     markdown_html,
+    markdown_refresh_ms,
     user_message_html,
     wrap_pre,
     wrap_pre_inline,
@@ -619,7 +620,13 @@ class ChatView(QWidget):
         if first:
             self._place_context_divider()
         self._dirty.add(message_id)
-        self._render_timer.start()
+        if not self._render_timer.isActive():  # (a refresh on its way is not put off)
+            self._render_timer.start(self.refresh_delay_ms(card))
+
+    def refresh_delay_ms(self, card: MessageCard) -> int:
+        """How long a streaming card waits for its next refresh: none when its tokens are
+        shown (each refresh adds only the new ones), longer the longer its Markdown is."""
+        return 0 if self.show_speculation else markdown_refresh_ms(len(card.text()))
 
     def _render_dirty(self) -> None:
         for message_id in self._dirty:

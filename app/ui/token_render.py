@@ -322,6 +322,21 @@ def markdown_html(text: str, dark: bool = False) -> RenderedMarkdown:
     return RenderedMarkdown(body, blocks)
 
 
+MARKDOWN_CHARS_PER_MS = 100  # a streaming Markdown reply waits 1 ms per 100 characters
+MARKDOWN_REFRESH_MAX_MS = 400
+
+
+def markdown_refresh_ms(chars: int) -> int:
+    """How long a streaming reply shown as Markdown waits before it is rendered again.
+
+    Markdown cannot be added to a step at a time (a later line can make a table or close
+    a list), so each refresh renders the whole reply: about 0.1 s at 30k characters. A
+    refresh at every step kept the GUI thread busy most of the time near the end of a long
+    reply; waiting in proportion to its length keeps that to about a quarter.
+    """
+    return min(MARKDOWN_REFRESH_MAX_MS, chars // MARKDOWN_CHARS_PER_MS)
+
+
 def user_message_html(text: str, dark: bool = False) -> RenderedMarkdown:
     """A user's message as typed (no Markdown: their asterisks and line breaks are theirs),
     except that fenced code shows as a code block with a copy link, like a reply's."""

@@ -9,6 +9,7 @@ from app.store import COMPLETE, Message, Store
 from app.ui.chat_paging import batch_start
 from app.ui.chat_view import TokenBrowser
 from app.ui.theme import widget_is_dark
+from app.ui.token_render import markdown_refresh_ms
 from engine.events import Stats, Step, Token, TokenKind
 from tests.app.test_gui import (
     TIMEOUT,
@@ -182,3 +183,21 @@ def test_a_streaming_reply_writes_each_step_once(qtbot, make_gui, tiny_pair) -> 
     # a view toggle renders the reply again, in full, once
     gui.window.chat_view.set_show_rejected(False)
     assert card.browser.steps_rendered == 2 * len(reply.steps)
+
+
+def test_a_long_markdown_reply_is_refreshed_less_often_than_a_short_one(
+        qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    """Shown as Markdown, a streaming reply is rendered whole at each refresh, so the wait
+    between refreshes grows with its length; its coloured tokens need no wait."""
+    assert markdown_refresh_ms(500) == 5
+    assert markdown_refresh_ms(30_000) == 300
+    assert markdown_refresh_ms(10**6) == 400  # at most
+    db = tmp_path / "history.sqlite3"
+    write_long_chat(db)
+    gui = make_gui(plain_settings(tiny_pair[0]), db)
+    view = gui.window.chat_view
+    reply = view.cards[-1]
+    assert view.refresh_delay_ms(reply) == 0
+    view.set_show_speculation(False)
+    assert view.refresh_delay_ms(reply) == 20  # 2,000 characters
+    assert view.refresh_delay_ms(view.cards[-2]) == 0  # "Question 59"
