@@ -155,8 +155,14 @@ class Sidebar(QWidget):
         self._select_current()
 
     def _on_conversations_changed(self) -> None:
+        # The list stays where the user scrolled it: selecting the open chat again scrolls
+        # to it, so renaming or deleting a chat far down a long list jumped back to the
+        # top, and clearing out old chats meant scrolling down again after each one.
+        bar = self.list_view.verticalScrollBar()
+        at = bar.value()
         self.model.refresh()
         self._select_current()
+        bar.setValue(at)
 
     def _on_conversation_opened(self, _messages: object) -> None:
         self._select_current()

@@ -201,3 +201,36 @@ def test_a_long_markdown_reply_is_refreshed_less_often_than_a_short_one(
     view.set_show_speculation(False)
     assert view.refresh_delay_ms(reply) == 20  # 2,000 characters
     assert view.refresh_delay_ms(view.cards[-2]) == 0  # "Question 59"
+
+
+def test_renaming_or_deleting_far_down_a_long_chat_list_keeps_the_list_in_place(
+        qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    db = tmp_path / "history.sqlite3"
+    store = Store(db)
+    for i in range(120):
+        conv = store.create_conversation(f"Chat {i}")
+        store.add_message(conv.id, "user", f"question {i}")
+    store.close()
+    gui = make_gui(plain_settings(tiny_pair[0]), db)
+    gui.window.resize(1000, 600)
+    sidebar = gui.window.sidebar
+    view, model = sidebar.list_view, sidebar.model
+    assert model.conversation_at(0).id == gui.controller.conversation_id  # the newest, open
+    bar = view.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.maximum() > 0)
+    bar.setValue(bar.maximum())  # down among the oldest chats
+
+    def top_row() -> int:
+        return view.indexAt(view.viewport().rect().topLeft()).row()
+
+    first = top_row()
+    assert first > 50
+    row = model.rowCount() - 2
+    model.setData(model.index(row), "Old chat, renamed")  # as the list's editor does
+    assert model.index(row).data() == "Old chat, renamed"
+    assert top_row() == first
+    doomed = model.conversation_at(model.rowCount() - 3).id
+    gui.controller.delete_conversation(doomed)
+    assert gui.store.conversation(doomed) is None and model.rowCount() == 119
+    assert top_row() == first - 1  # the list lost a row above the bottom: it moves by one
+    assert model.conversation_at(0).id == gui.controller.conversation_id
