@@ -690,16 +690,22 @@ class ChatView(QWidget):
     def _on_scrolled(self, value: int) -> None:
         bar = self.scroll.verticalScrollBar()
         self._follow = value >= bar.maximum() - 24
-        if self._anchor is not None and value != self._anchored_value():
+        if self._anchored_value() not in (None, value):
             self._anchor = None  # the user scrolled: the view is theirs again
 
-    def _anchored_value(self) -> int:
+    def _anchored_value(self) -> int | None:
+        """Where the anchor card's offset puts the scroll bar (None without one, or once
+        its card has gone)."""
+        if self._anchor is None or self._anchor[0] not in self.cards:
+            self._anchor = None
+            return None
         card, offset = self._anchor
         return card.y() - offset
 
     def _on_range_changed(self, _min: int, maximum: int) -> None:
         bar = self.scroll.verticalScrollBar()
-        if self._anchor is not None:
-            bar.setValue(self._anchored_value())
+        anchored = self._anchored_value()
+        if anchored is not None:
+            bar.setValue(anchored)
         elif self._follow:
             bar.setValue(maximum)
