@@ -351,8 +351,11 @@ class Store:
     def append_step(self, message_id: int, step: Step) -> None:
         """Save one step and grow the reply's text, in one transaction (crash-safe)."""
         with self._transaction():
+            # after the last step: a repaired history may have lost one (`salvage`), and
+            # the count of steps is then a number in use (the key's index finds the last)
             (idx,) = self._db.execute(
-                "SELECT COUNT(*) FROM steps WHERE message_id = ?", (message_id,)
+                "SELECT COALESCE(MAX(idx) + 1, 0) FROM steps WHERE message_id = ?",
+                (message_id,),
             ).fetchone()
             self._db.execute(
                 "INSERT INTO steps (message_id, idx, data) VALUES (?, ?, ?)",

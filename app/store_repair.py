@@ -11,6 +11,7 @@ survive is left behind rather than shown without its context.
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sqlite3
 import tempfile
@@ -18,6 +19,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 # parents first, so each row's parent is already in place (foreign keys are on)
 TABLES = ("conversations", "messages", "steps")
@@ -61,7 +64,22 @@ def check(db: sqlite3.Connection) -> None:
     except sqlite3.DatabaseError as exc:
         raise Damaged(str(exc)) from None
     if rows != ["ok"]:
-        raise Damaged("; ".join(str(r) for r in rows[:3]))
+        log.info("the history's quick check failed:\n%s", "\n".join(map(str, rows)))
+        raise Damaged(_summary(rows))
+
+
+SHOWN_PROBLEMS = 3  # of what the quick check found, in the banner (the log file has them all)
+
+
+def _summary(rows: list[object]) -> str:
+    """The first few problems the quick check names, on one line. It can name up to a
+    hundred, in one row of many lines (a big history's leaked pages: "Page 95678 is never
+    used", ...), which filled the window's banner from top to bottom."""
+    problems = [line.strip() for row in rows for line in str(row).splitlines()
+                if line.strip() and not line.startswith("*** in database")]
+    shown = "; ".join(problems[:SHOWN_PROBLEMS]) or "the quick check failed"
+    more = len(problems) - SHOWN_PROBLEMS
+    return f"{shown}; {more} more" if more > 0 else shown
 
 
 def set_aside(path: Path) -> Path:

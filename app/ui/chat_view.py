@@ -29,6 +29,7 @@ from PySide6.QtWidgets import (
     QHBoxLayout,
     QLabel,
     QMessageBox,
+    QPushButton,
     QScrollArea,
     QSizePolicy,
     QTextBrowser,
@@ -39,19 +40,22 @@ from PySide6.QtWidgets import (
 )
 
 from app.store import FAILED, GENERATING, INTERRUPTED, STOPPED, Message, stats_from_dict
+from app.ui.chat_paging import batch_start
 from app.ui.controller import ChatController, continuable, sent_to_model
 from app.ui.theme import widget_is_dark
 from app.ui.token_render import (
     COPY_SCHEME,
     KIND_STYLES,
     LEGEND_ORDER,
+    TokensHtml,
     footer_text,
     is_decoration,
     kind_css,
     markdown_html,
-    tokens_html,
+    markdown_refresh_ms,
     user_message_html,
     wrap_pre,
+    wrap_pre_inline,
 )
 from engine.events import Stats, Step
 
@@ -77,6 +81,12 @@ class TokenBrowser(QTextBrowser):
     def __init__(self, parent: QWidget | None = None, *, fit_height: bool = True) -> None:
         super().__init__(parent)
         self.code_blocks: list[str] = []
+        # the steps shown with their token colours, and the writer that wrote them (None
+        # while the box shows anything else): a step added is written alone
+        self._writer: TokensHtml | None = None
+        self._shown: list[Step] = []
+        self._length = 0  # the document's length as they left it (else it was changed since)
+        self.steps_rendered = 0  # steps written as HTML over the box's life (work done)
         self.setOpenLinks(False)
         self.setFrameShape(QFrame.Shape.NoFrame)
         self.anchorClicked.connect(self._on_anchor_clicked)
@@ -97,13 +107,43 @@ class TokenBrowser(QTextBrowser):
 
         The chat's cards and the comparison's panes both show replies through this.
         """
+        self.code_blocks = []
         if speculation and steps:
-            self.code_blocks = []
-            self.setHtml(wrap_pre(tokens_html(steps, show_rejected=show_rejected, dark=dark)))
+            self._show_tokens(steps, show_rejected, dark)
         else:
             rendered = markdown_html(text, dark)
-            self.code_blocks = rendered.code_blocks
-            self.setHtml(rendered.html)
+            self.show_html(rendered.html, rendered.code_blocks)
+
+    def show_html(self, html: str, code_blocks: list[str]) -> None:
+        """Anything but a reply's coloured tokens (a user's message, clean Markdown)."""
+        self._writer = None
+        self._shown = []
+        self.code_blocks = code_blocks
+        self.setHtml(html)
+
+    def _show_tokens(self, steps: Sequence[Step], show_rejected: bool, dark: bool) -> None:
+        """Write only the steps not shown yet when those shown are how `steps` begins (a
+        reply streaming, or finished as it streamed), in the same style; else all of them."""
+        writer, shown = self._writer, self._shown
+        n = len(shown)
+        if (writer is not None and writer.show_rejected == show_rejected
+                and writer.dark == dark and 0 < n <= len(steps)
+                and self.document().characterCount() == self._length
+                and (steps[n - 1] is shown[-1] or list(steps[:n]) == shown)):
+            new = steps[n:]
+            if new:
+                cursor = QTextCursor(self.document())
+                cursor.movePosition(QTextCursor.MoveOperation.End)
+                cursor.insertHtml(wrap_pre_inline("".join(writer.step(s) for s in new)))
+                shown.extend(new)
+                self.steps_rendered += len(new)
+                self._length = self.document().characterCount()
+            return
+        writer = TokensHtml(show_rejected=show_rejected, dark=dark)
+        self.setHtml(wrap_pre("".join(writer.step(s) for s in steps)))
+        self._writer, self._shown = writer, list(steps)
+        self.steps_rendered += len(steps)
+        self._length = self.document().characterCount()
 
     def _fit_height(self, *_: object) -> None:
         self.setFixedHeight(int(self.document().size().height()) + 4)
@@ -192,6 +232,9 @@ class MessageCard(QFrame):
         self.view = view
         self.message = message
         self.steps: list[Step] = list(message.steps)
+        # each step's text, kept as it arrives: joining them is cheap where taking every
+        # step's text from its tokens again at each refresh grew with the reply
+        self._texts = [s.text for s in self.steps]
         self.live_stats: Stats | None = None
         self.setObjectName("userMessage" if message.role == "user" else "assistantMessage")
         self.role_label = QLabel("You" if message.role == "user" else "Assistant")
@@ -286,19 +329,21 @@ class MessageCard(QFrame):
 
     def add_step(self, step: Step, stats: Stats) -> None:
         self.steps.append(step)
+        self._texts.append(step.text)
         self.live_stats = stats
 
     def finish(self, message: Message) -> None:
         """The reply as stored when it ends, or (a continuation starting) when it resumes."""
         self.message = message
         self.steps = list(message.steps)
+        self._texts = [s.text for s in self.steps]
         self.live_stats = None
         self.render()
 
     def text(self) -> str:
         """The reply's committed text as it stands (streaming or final)."""
         if self.message.status == GENERATING:
-            return "".join(s.text for s in self.steps)
+            return "".join(self._texts)
         return self.message.content
 
     def render(self) -> None:
@@ -306,8 +351,7 @@ class MessageCard(QFrame):
         m = self.message
         if m.role != "assistant":
             rendered = user_message_html(m.content, dark)  # pasted code shows as code
-            self.browser.code_blocks = rendered.code_blocks
-            self.browser.setHtml(rendered.html)
+            self.browser.show_html(rendered.html, rendered.code_blocks)
         else:
             self.browser.show_reply(self.steps, self.text(), speculation=self.view.show_speculation,
                                     show_rejected=self.view.show_rejected, dark=dark)
@@ -388,9 +432,15 @@ class ChatView(QWidget):
         self.show_speculation = True
         self.show_rejected = True
         self.cards: list[MessageCard] = []
+        # the open conversation's messages older than the first card, not shown yet
+        # (without steps): a long chat opens at its newest (`app.ui.chat_paging`)
+        self.earlier: list[Message] = []
         self._dirty: set[int] = set()
         self._follow = True
         self.text_font: QFont | None = None  # the messages' font when zoomed (else the app's)
+        # while set, the view keeps this card this far below its top as the column grows
+        # above it (earlier messages shown), so the message being read stays in view
+        self._anchor: tuple[MessageCard, int] | None = None
 
         self.legend = Legend()
         self.speculation_box = QCheckBox("Show speculation")
@@ -417,6 +467,11 @@ class ChatView(QWidget):
         self.empty_label.setObjectName("emptyHint")
         self.empty_label.setAlignment(Qt.AlignmentFlag.AlignCenter)
         self.column_layout.insertWidget(0, self.empty_label)
+        self.earlier_button = QPushButton("Show Earlier Messages")
+        self.earlier_button.setObjectName("earlierButton")
+        self.earlier_button.clicked.connect(self.show_earlier)
+        self.earlier_button.hide()
+        self.column_layout.insertWidget(0, self.earlier_button, 0, Qt.AlignmentFlag.AlignHCenter)
         # where the newest reply's prompt began, when the conversation outgrew the window
         self.context_divider = QLabel("The model no longer reads the messages above: the "
                                       "conversation outgrew its context window")
@@ -537,16 +592,50 @@ class ChatView(QWidget):
             self.column_layout.removeWidget(card)
             card.deleteLater()
         self.cards.clear()
+        self.earlier = []
         self._dirty.clear()
 
     def _on_conversation_opened(self, messages: list[Message]) -> None:
         self._clear()
-        for m in messages:
+        start = batch_start(messages, len(messages))
+        self.earlier = list(messages[:start])
+        for m in self.controller.with_steps(messages[start:]):
             self._append_card(m)
         self._follow = True
+        self._anchor = None
+        self._update_earlier()
         self._update_empty()
         self._place_context_divider()
         self._update_continue()
+
+    def show_earlier(self) -> None:
+        """Show the next batch of the conversation's earlier messages above the first
+        card, keeping the message in view where it is."""
+        if not self.earlier:
+            return
+        start = batch_start(self.earlier, len(self.earlier))
+        batch = self.controller.with_steps(self.earlier[start:])
+        del self.earlier[start:]
+        if self.cards:
+            self._anchor = (self.cards[0],
+                            self.cards[0].y() - self.scroll.verticalScrollBar().value())
+        self._follow = False
+        self.column_layout.removeWidget(self.context_divider)  # (placed again below)
+        at = self.column_layout.indexOf(self.cards[0]) if self.cards else \
+            self.column_layout.count() - 1
+        cards = [self._new_card(m) for m in batch]
+        for i, card in enumerate(cards):
+            self.column_layout.insertWidget(at + i, card)
+        self.cards[:0] = cards
+        self._update_earlier()
+        self._place_context_divider()
+        self._update_continue()
+
+    def _update_earlier(self) -> None:
+        n = len(self.earlier)
+        self.earlier_button.setText(
+            f"Show Earlier Messages ({n} more)" if n != 1 else "Show Earlier Message")
+        self.earlier_button.setVisible(bool(n))
 
     def _update_continue(self) -> None:
         """Offer Continue on the conversation's last message alone, when it is a reply cut
@@ -574,14 +663,16 @@ class ChatView(QWidget):
             stats = card.live_stats or stats_from_dict(card.message.stats)
             if stats is None or not stats.dropped_messages:
                 return
+            # the messages not shown yet come first in what was sent
+            hidden = sum(sent_to_model(m) for m in self.earlier)
             sent = [c for c in self.cards[:i] if sent_to_model(c.message)]
-            if stats.dropped_messages < len(sent):
-                at = self.column_layout.indexOf(sent[stats.dropped_messages])
+            if hidden <= stats.dropped_messages < hidden + len(sent):
+                at = self.column_layout.indexOf(sent[stats.dropped_messages - hidden])
                 self.column_layout.insertWidget(at, self.context_divider)
                 self.context_divider.show()
             return
 
-    def _append_card(self, message: Message) -> MessageCard:
+    def _new_card(self, message: Message) -> MessageCard:
         card = MessageCard(message, self)
         if self.text_font is not None:
             card.browser.setFont(self.text_font)
@@ -591,6 +682,10 @@ class ChatView(QWidget):
         card.edit_requested.connect(self._on_edit_requested)
         card.regenerate_requested.connect(self._on_regenerate_requested)
         card.continue_requested.connect(self.controller.continue_reply)
+        return card
+
+    def _append_card(self, message: Message) -> MessageCard:
+        card = self._new_card(message)
         self.column_layout.insertWidget(self.column_layout.count() - 1, card)
         # Tab reaches the card after the one above it, before the composer (a new widget
         # joins the end of the window's chain: after the side panel)
@@ -609,6 +704,7 @@ class ChatView(QWidget):
             return
         self._append_card(message)
         self._follow = True
+        self._anchor = None
         self._update_empty()
         self._update_continue()
 
@@ -621,7 +717,13 @@ class ChatView(QWidget):
         if first:
             self._place_context_divider()
         self._dirty.add(message_id)
-        self._render_timer.start()
+        if not self._render_timer.isActive():  # (a refresh on its way is not put off)
+            self._render_timer.start(self.refresh_delay_ms(card))
+
+    def refresh_delay_ms(self, card: MessageCard) -> int:
+        """How long a streaming card waits for its next refresh: none when its tokens are
+        shown (each refresh adds only the new ones), longer the longer its Markdown is."""
+        return 0 if self.show_speculation else markdown_refresh_ms(len(card.text()))
 
     def _render_dirty(self) -> None:
         for message_id in self._dirty:
@@ -688,7 +790,22 @@ class ChatView(QWidget):
     def _on_scrolled(self, value: int) -> None:
         bar = self.scroll.verticalScrollBar()
         self._follow = value >= bar.maximum() - 24
+        if self._anchored_value() not in (None, value):
+            self._anchor = None  # the user scrolled: the view is theirs again
+
+    def _anchored_value(self) -> int | None:
+        """Where the anchor card's offset puts the scroll bar (None without one, or once
+        its card has gone)."""
+        if self._anchor is None or self._anchor[0] not in self.cards:
+            self._anchor = None
+            return None
+        card, offset = self._anchor
+        return card.y() - offset
 
     def _on_range_changed(self, _min: int, maximum: int) -> None:
-        if self._follow:
-            self.scroll.verticalScrollBar().setValue(maximum)
+        bar = self.scroll.verticalScrollBar()
+        anchored = self._anchored_value()
+        if anchored is not None:
+            bar.setValue(anchored)
+        elif self._follow:
+            bar.setValue(maximum)

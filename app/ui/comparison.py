@@ -24,6 +24,7 @@ from app.ui.chat_view import TokenBrowser
 from app.ui.controller import ChatController, ComparisonResult
 from app.ui.gauge import GaugeWidget
 from app.ui.theme import widget_is_dark
+from app.ui.token_render import markdown_refresh_ms
 from engine.events import Stats, Step
 
 REPLAY_TIP = "Run this chat's last message again, with and without speculation"
@@ -38,6 +39,7 @@ class ComparisonPane(QFrame):
         super().__init__(parent)
         self.setObjectName("comparisonPane")
         self.steps: list[Step] = []
+        self._texts: list[str] = []  # each step's text (joined, not taken again per refresh)
         self.show_speculation = True  # follows the chat view's "Show speculation"
         self.show_rejected = True
         self.title = QLabel(title)
@@ -58,13 +60,17 @@ class ComparisonPane(QFrame):
     def reset(self, title: str) -> None:
         self.title.setText(title)
         self.steps = []
+        self._texts = []
         self.gauge.reset()
         self.browser.clear()
 
     def add_step(self, step: Step, stats: Stats) -> None:
         self.steps.append(step)
+        self._texts.append(step.text)
         self.gauge.show_stats(stats)
-        self._timer.start()
+        if not self._timer.isActive():  # (a refresh on its way is not put off)
+            self._timer.start(0 if self.show_speculation
+                              else markdown_refresh_ms(sum(map(len, self._texts))))
 
     def render(self) -> None:
         self.browser.show_reply(self.steps, self.text(), speculation=self.show_speculation,
@@ -73,7 +79,7 @@ class ComparisonPane(QFrame):
         bar.setValue(bar.maximum())
 
     def text(self) -> str:
-        return "".join(s.text for s in self.steps)
+        return "".join(self._texts)
 
 
 class ComparisonView(QWidget):

@@ -8,6 +8,7 @@ views get it in their `__init__` and connect to its signals.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from PySide6.QtCore import QObject, Signal
@@ -211,9 +212,18 @@ class ChatController(QObject):
         self.open_conversation(None)
 
     def open_conversation(self, conversation_id: int | None) -> None:
+        """Make a conversation current; its messages go out without their steps (a long
+        chat holds hundreds of thousands of tokens): a view reads the steps of those it
+        shows (`with_steps`)."""
         self.conversation_id = conversation_id
-        msgs = self.store.messages(conversation_id) if conversation_id is not None else []
+        msgs = (self.store.messages(conversation_id, with_steps=False)
+                if conversation_id is not None else [])
         self.conversation_opened.emit(msgs)
+
+    def with_steps(self, messages: Sequence[Message]) -> list[Message]:
+        """`messages` with their replies' steps (token fates) read from the store."""
+        return [replace(m, steps=self.store.steps(m.id)) if m.role == "assistant" else m
+                for m in messages]
 
     def rename_conversation(self, conversation_id: int, title: str) -> None:
         self.store.rename_conversation(conversation_id, title)
@@ -233,7 +243,9 @@ class ChatController(QObject):
             self.open_conversation(remaining[0].id if remaining else None)
 
     def messages(self) -> list[Message]:
-        return self.store.messages(self.conversation_id) if self.conversation_id else []
+        """The open conversation's messages, without their steps."""
+        return (self.store.messages(self.conversation_id, with_steps=False)
+                if self.conversation_id else [])
 
     # -- intents -------------------------------------------------------------------------
     def send(self, text: str, *, compare: bool = False) -> bool:

@@ -57,9 +57,9 @@ class RateTracker:
             return 0.0
         t_now, n_now = self._times[-1], self._totals[-1]
         t_then, n_then = 0.0, 0
-        for t, n in zip(reversed(self._times[:-1]), reversed(self._totals[:-1]), strict=True):
-            if t_now - t >= self.window_s:
-                t_then, n_then = t, n
+        for i in range(len(self._times) - 2, -1, -1):  # (no copy of the whole history)
+            if t_now - self._times[i] >= self.window_s:
+                t_then, n_then = self._times[i], self._totals[i]
                 break
         span = t_now - t_then
         return (n_now - n_then) / span if span > 0 else 0.0
@@ -85,6 +85,22 @@ def sparkline_top(values: Sequence[float], skip: int = SPARK_SKIP,
     return statistics.quantiles(body, n=100, method="inclusive")[percentile - 1]
 
 
+def spark_points(values: Sequence[float], width: int) -> list[float]:
+    """At most `width` values to draw: `values` themselves when they fit, else the mean
+    of each of `width` consecutive runs of them. A reply of thousands of steps drew a
+    point per step in a widget 200 pixels wide, and took its percentile over them all,
+    at every step: the gauge's repaint grew with the reply."""
+    n = len(values)
+    width = max(2, width)
+    if n <= width:
+        return list(values)
+    out = []
+    for b in range(width):
+        lo, hi = b * n // width, (b + 1) * n // width
+        out.append(sum(values[lo:hi]) / (hi - lo))
+    return out
+
+
 class Sparkline(QWidget):
     """A small line chart of the recent tokens/s values, scaled by `sparkline_top`."""
 
@@ -106,6 +122,10 @@ class Sparkline(QWidget):
         self.setToolTip(summary)
         self.update()
 
+    def points(self) -> list[float]:
+        """The values the line is drawn through (`spark_points` at this width)."""
+        return spark_points(self.values, int(self.width()) - 4)
+
     def paintEvent(self, event) -> None:  # noqa: N802 - Qt override
         painter = QPainter(self)
         painter.setRenderHint(QPainter.RenderHint.Antialiasing)
@@ -113,7 +133,7 @@ class Sparkline(QWidget):
         base = self.palette().color(QPalette.ColorRole.Mid)
         painter.setPen(QPen(base, 1))
         painter.drawLine(rect.bottomLeft(), rect.bottomRight())
-        vals = self.values
+        vals = self.points()
         if len(vals) < 2:
             return
         top = sparkline_top(vals)

@@ -614,8 +614,9 @@ class MainWindow(QMainWindow):
                 return None
             path = chosen
         out = Path(path)
-        out.write_text(conversation_markdown(conv.title, self.controller.store.messages(conv.id)),
-                       encoding="utf-8")
+        # the text and numbers only: a long chat's token fates took seconds to read
+        messages = self.controller.store.messages(conv.id, with_steps=False)
+        out.write_text(conversation_markdown(conv.title, messages), encoding="utf-8")
         self.statusBar().showMessage(f"Exported to {out}", 5000)
         return out
 

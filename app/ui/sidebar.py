@@ -189,10 +189,16 @@ class Sidebar(QWidget):
 
     def _on_conversations_changed(self) -> None:
         # a rename typed in the list resets the model under its editor, which threw the
-        # keyboard to the next widget in the window (the comparison toggle)
+        # keyboard to the next widget in the window (the comparison toggle). The list stays
+        # where the user scrolled it: selecting the open chat again scrolls to it, so
+        # renaming or deleting a chat far down a long list jumped back to the top, and
+        # clearing out old chats meant scrolling down again after each one.
         had_focus = self._holds_focus()
+        bar = self.list_view.verticalScrollBar()
+        at = bar.value()
         self.model.refresh()
         self._select_current()
+        bar.setValue(at)
         if had_focus and not self._holds_focus():
             self.list_view.setFocus(Qt.FocusReason.OtherFocusReason)
 

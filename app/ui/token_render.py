@@ -202,35 +202,59 @@ class FenceTracker:
         return before or self.in_code()
 
 
-def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool = False) -> str:
-    """A reply with every token styled by its fate, in the steps' display order (inner
-    HTML for a pre-wrap block); `show_rejected` off drops the ghosts."""
-    out: list[str] = []
-    marked: set[str] = set()  # one marker per reason; later steps are only underlined
-    fences = FenceTracker()
-    for step in steps:
-        if step.error and step.error not in marked:
-            marked.add(step.error)
+class TokensHtml:
+    """Writes a reply's steps as styled HTML one step at a time, so a reply being
+    streamed can add each new step's spans to what is shown rather than render the whole
+    reply again (which made each step cost as much as the reply so far: seconds of a
+    frozen window per step near the end of a reply of thousands of tokens). What
+    crosses steps is kept here: the open code fence, the fallback reasons already marked.
+    """
+
+    def __init__(self, *, show_rejected: bool = True, dark: bool = False) -> None:
+        self.show_rejected = show_rejected
+        self.dark = dark
+        self.marked: set[str] = set()  # one marker per reason; later steps are only underlined
+        self.fences = FenceTracker()
+
+    def step(self, step: Step) -> str:
+        """The inner HTML (for a pre-wrap block) of the next step."""
+        out: list[str] = []
+        dark = self.dark
+        if step.error and step.error not in self.marked:
+            self.marked.add(step.error)
             out.append(warning_span(step.error, dark))
         previous: Token | None = None
         for token in step.tokens:
             if token.kind is TokenKind.REJECTED:
-                if not show_rejected:
+                if not self.show_rejected:
                     continue
                 if (previous is not None and previous.kind is TokenKind.REJECTED
                         and previous.branch != token.branch):
                     out.append(ghost_separator(dark))
-                code = fences.in_code()  # a ghost is not part of the text
+                code = self.fences.in_code()  # a ghost is not part of the text
             else:
-                code = fences.feed(token.text)
+                code = self.fences.feed(token.text)
             out.append(token_span(token, dark, step.error, code))
             previous = token
-    return "".join(out)
+        return "".join(out)
+
+
+def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool = False) -> str:
+    """A reply with every token styled by its fate, in the steps' display order (inner
+    HTML for a pre-wrap block); `show_rejected` off drops the ghosts."""
+    writer = TokensHtml(show_rejected=show_rejected, dark=dark)
+    return "".join(writer.step(step) for step in steps)
 
 
 def wrap_pre(inner: str) -> str:
     """A block that keeps spaces and newlines as they are (token text is raw text)."""
     return f'<div style="white-space:pre-wrap">{inner}</div>'
+
+
+def wrap_pre_inline(inner: str) -> str:
+    """`wrap_pre` for HTML added at the end of a block that `wrap_pre` opened (a block
+    element there would start a new paragraph)."""
+    return f'<span style="white-space:pre-wrap">{inner}</span>'
 
 
 def plain_html(text: str) -> str:
@@ -309,6 +333,21 @@ def markdown_html(text: str, dark: bool = False) -> RenderedMarkdown:
     blocks: list[str] = []
     body = _markdown_parser(dark, blocks).render(text)
     return RenderedMarkdown(body, blocks)
+
+
+MARKDOWN_CHARS_PER_MS = 100  # a streaming Markdown reply waits 1 ms per 100 characters
+MARKDOWN_REFRESH_MAX_MS = 400
+
+
+def markdown_refresh_ms(chars: int) -> int:
+    """How long a streaming reply shown as Markdown waits before it is rendered again.
+
+    Markdown cannot be added to a step at a time (a later line can make a table or close
+    a list), so each refresh renders the whole reply: about 0.1 s at 30k characters. A
+    refresh at every step kept the GUI thread busy most of the time near the end of a long
+    reply; waiting in proportion to its length keeps that to about a quarter.
+    """
+    return min(MARKDOWN_REFRESH_MAX_MS, chars // MARKDOWN_CHARS_PER_MS)
 
 
 def user_message_html(text: str, dark: bool = False) -> RenderedMarkdown:

@@ -42,3 +42,18 @@ def test_the_steady_part_fills_the_height(qtbot, screenshots_dir) -> None:
     # three quarters along the reply the pace is ~22 tok/s: most of the height, not a sliver
     assert _filled_fraction(line, 150) > 0.6
     line.grab().save(str(screenshots_dir / "sparkline_burst_then_steady.png"))
+
+
+def test_a_long_reply_draws_a_point_per_pixel_not_per_step(qtbot) -> None:
+    """Thousands of steps are averaged down to the widget's width, so a repaint costs the
+    same at the end of a long reply as at its start; a short reply is drawn as it is."""
+    line = Sparkline()
+    qtbot.addWidget(line)
+    line.resize(204, 40)  # 200 pixels to draw in
+    steady = [20.0 + (i % 5) for i in range(6_000)]
+    line.set_values(steady)
+    points = line.points()
+    assert len(points) == 200
+    assert points == pytest.approx([22.0] * 200, abs=0.01)  # 30 steps a point: their mean
+    line.set_values(BURST_THEN_STEADY)
+    assert line.points() == BURST_THEN_STEADY

@@ -287,3 +287,50 @@ def test_hand_damaged_rows_lose_only_what_is_unreadable(tmp_path: Path) -> None:
     db.commit()
     db.close()
     assert Store(path).message(reply.id).steps == tuple(spec_step(i) for i in range(3))
+
+
+def test_continuing_a_reply_that_lost_a_step_appends_after_its_last(tmp_path: Path) -> None:
+    """A repaired history keeps the steps that still read, with their numbers, so a reply
+    may have a gap; a continuation's steps go after its last one. (Numbering by the count
+    of steps put the new one on a number in use, and Continue failed on the constraint.)"""
+    path = tmp_path / "h.sqlite3"
+    store = Store(path)
+    conv = store.create_conversation()
+    store.add_message(conv.id, "user", "go")
+    reply = store.begin_reply(conv.id, model="demo", settings={})
+    for i in range(4):
+        store.append_step(reply.id, spec_step(i))
+    store.finish_reply(reply.id, status=STOPPED)
+    store.close()
+    with sqlite3.connect(path) as db:  # the page holding step 1 was lost in the repair
+        db.execute("DELETE FROM steps WHERE message_id = ? AND idx = 1", (reply.id,))
+    store = Store(path)
+    store.resume_reply(reply.id)
+    store.append_step(reply.id, spec_step(9))
+    steps = store.message(reply.id).steps
+    assert steps == (spec_step(0), spec_step(2), spec_step(3), spec_step(9))
+
+
+def test_a_history_with_many_problems_names_a_few_on_one_line(tmp_path: Path) -> None:
+    """SQLite's quick check names up to a hundred problems in one row of many lines (here
+    the pages a big history's deleted chats left, no longer on the free list); the banner
+    names three, on one line, and says how many more."""
+    path = tmp_path / "history.sqlite3"
+    store = Store(path)
+    conv = store.create_conversation("kept")
+    for i in range(300):
+        store.add_message(conv.id, "user", f"long paste {i} " + "y" * 3000)
+    store.delete_messages_from(conv.id, 20)
+    store.close()
+    with sqlite3.connect(path) as db:
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = bytearray(path.read_bytes())
+    assert int.from_bytes(data[36:40], "big") > 100  # free pages
+    data[32:40] = bytes(8)  # the header forgets the free list
+    path.write_bytes(bytes(data))
+
+    repair = Store(path).repair
+    assert repair is not None
+    assert repair.reason.count("is never used") == 3
+    assert "\n" not in repair.reason and repair.reason.endswith("is never used; 97 more")
+    assert repair.messages == 20  # every message still read
