@@ -2,7 +2,8 @@
 
 Chat templates come with downloaded models, so they are untrusted code: they render in an
 immutable sandbox where touching an unsafe attribute raises at once (jinja's default is to
-return an undefined value and only fail later, if ever). Models without a template fall back
+return an undefined value and only fail later, if ever), within a time and output budget
+(`render_budget`). Models without a template fall back
 to ChatML with a visible warning rather than refusing to chat.
 
 Generated text reaches the screen through `StreamingDetokenizer`, which never splits a
@@ -27,6 +28,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from engine.errors import ModelFormatError, PromptError, TemplateError
 from engine.events import CUT_MARK, without_cut_mark
+from engine.render_budget import render_bounded
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -266,9 +268,9 @@ class Tokenizer:
         """
         check_messages(messages)
         try:
-            return self._template.render(
-                **{**self._template_vars, **variables},
-                messages=messages, add_generation_prompt=add_generation_prompt)
+            return render_bounded(self._template, {
+                **self._template_vars, **variables,
+                "messages": messages, "add_generation_prompt": add_generation_prompt})
         except TemplateError:
             raise
         except SecurityError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,33 @@ def test_escape_payload_is_never_executed(tmp_path: Path) -> None:
     with pytest.raises(TemplateError):
         load(tmp_path, template=template).apply_chat_template(HELLO)
     assert not marker.exists()
+
+
+NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}BODY{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("body", ["", "{% set x = i * j %}"])
+def test_a_template_that_never_ends_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               body: str) -> None:
+    """10^10 iterations writing nothing: stopped in its own thread, which then runs on."""
+    monkeypatch.setattr("engine.render_budget.RENDER_SECONDS", 0.5)
+    tok = load(tmp_path, template=NESTED.replace("BODY", body))
+    t0 = time.monotonic()
+    with pytest.raises(TemplateError, match=r"ran for more than 0.5 s"):
+        tok.apply_chat_template(HELLO)
+    assert time.monotonic() - t0 < 3
+    ok = load(tmp_path / "ok")
+    for _ in range(50):  # nothing scheduled for this thread is left to land later
+        assert ok.apply_chat_template(HELLO).startswith("<|im_start|>user")
+        time.sleep(0.01)
+
+
+def test_a_template_that_writes_without_end_is_stopped(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("engine.render_budget.MAX_RENDER_CHARS", 200_000)
+    tok = load(tmp_path, template=NESTED.replace("BODY", "{{ 'x' * 1000 }}"))
+    with pytest.raises(TemplateError, match="output passed 200,000 characters"):
+        tok.apply_chat_template(HELLO)
 
 
 def test_raise_exception_reports_the_templates_message(tmp_path: Path) -> None:
