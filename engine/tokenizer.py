@@ -26,7 +26,7 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.errors import ModelFormatError, PromptError, TemplateError
+from engine.errors import AppWarning, ModelFormatError, PromptError, TemplateError
 from engine.events import CUT_MARK, without_cut_mark
 from engine.render_budget import render_bounded
 
@@ -38,6 +38,10 @@ CHATML_TEMPLATE = (
 )
 _MAX_SEQUENCE = 1_000_000  # longest string/list a template may build with `*`
 _MAX_EXPONENT = 1_000
+
+
+class ChatTemplateWarning(AppWarning):
+    """A model without a chat template is run with ChatML; front ends say so in one line."""
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -191,7 +195,7 @@ class Tokenizer:
             self.template_warning = (
                 f"{source} has no chat template; using ChatML, which this model may not "
                 "have been trained on, so replies may be poor")
-            warnings.warn(self.template_warning, UserWarning, stacklevel=2)
+            warnings.warn(self.template_warning, ChatTemplateWarning, stacklevel=2)
             im_end = tokenizer.token_to_id("<|im_end|>")
             if im_end is not None:
                 eos.add(im_end)
