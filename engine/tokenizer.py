@@ -262,7 +262,17 @@ class Tokenizer:
         return self._tok.decode([int(token_id)], skip_special_tokens=False)
 
     def detokenizer(self) -> StreamingDetokenizer:
-        return StreamingDetokenizer(self.decode)
+        """The reply's text as it streams, without special tokens.
+
+        A special (control) token the model writes but that does not stop it (ChatML's
+        `<|im_start|>` from a model whose template is another, a Llama header id) is
+        markup, not text: shown, it reads as garbage, and stored in the reply it would come
+        back as that control token in the next turn's prompt, since special-token text in a
+        message is encoded as the token itself. Servers and chat apps (vLLM, llama.cpp's
+        server, transformers' pipelines) leave them out the same way."""
+        return StreamingDetokenizer(
+            lambda ids: self.decode(ids, skip_special_tokens=True))
+
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **variables: Any) -> str:

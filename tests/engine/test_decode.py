@@ -137,6 +137,19 @@ def test_streamed_text_has_no_replacement_chars(tiny: LoadedModel, chain: Loaded
         assert fin.text == "".join(s.text for s in steps)
 
 
+def test_special_tokens_that_do_not_stop_are_left_out_of_the_text(tmp_path: Path) -> None:
+    """A control token the model writes (not an eos id) is markup: the reply's text, streamed
+    and whole, leaves it out, so it never shows nor comes back as a control token in the
+    next turn's prompt; the step still carries the token."""
+    start = special_token_id("<|im_start|>")
+    path = write_chain_model(tmp_path / "m", "Hé<|im_start|>fox")
+    _, steps, fin = run(ChatSession(load_model(path)), GenerateOptions(max_tokens=20))
+    assert (fin.text, fin.stats.finish_reason) == ("Héfox", "eos")
+    assert "".join(s.text for s in steps) == "Héfox"
+    assert start in fin.token_ids
+    assert [t.text for s in steps for t in s.tokens if t.id == start] == [""]
+
+
 # ---------------------------------------------------------------------------- stopping
 
 

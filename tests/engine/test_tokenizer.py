@@ -272,8 +272,9 @@ def byte_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ids=st.lists(st.integers(0, 261), max_size=40))
 def test_stream_equals_full_decode_for_any_ids(byte_tokenizer: Tokenizer, ids: list[int]) -> None:
-    """Any id sequence, including invalid UTF-8 byte runs."""
-    assert "".join(stream(byte_tokenizer, ids)) == byte_tokenizer.decode(ids)
+    """Any id sequence, including invalid UTF-8 byte runs and special tokens (left out)."""
+    assert "".join(stream(byte_tokenizer, ids)) == byte_tokenizer.decode(
+        ids, skip_special_tokens=True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -284,6 +285,13 @@ def test_stream_never_splits_a_character(byte_tokenizer: Tokenizer, text: str) -
     pieces = stream(byte_tokenizer, ids)
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_leaves_special_tokens_out(byte_tokenizer: Tokenizer) -> None:
+    ids = byte_tokenizer.encode("the<|im_start|>user\n<|im_end|>é")
+    assert 1 in ids and 2 in ids  # <|im_start|>, <|im_end|>
+    assert "".join(stream(byte_tokenizer, ids)) == "theuser\né"
+    assert byte_tokenizer.token_text(1) == "<|im_start|>"  # a drafted token still shows
 
 
 def test_stream_holds_partial_characters_back(byte_tokenizer: Tokenizer) -> None:
@@ -395,4 +403,5 @@ def test_demo_ids_match_transformers(demo_tokenizer: Tokenizer, oracle: Any, tex
                               st.sampled_from([40993, 179, 120, 248, 15107, 235, 241, 115])),
                     max_size=30))
 def test_demo_stream_equals_full_decode(demo_tokenizer: Tokenizer, ids: list[int]) -> None:
-    assert "".join(stream(demo_tokenizer, ids)) == demo_tokenizer.decode(ids)
+    assert "".join(stream(demo_tokenizer, ids)) == demo_tokenizer.decode(
+        ids, skip_special_tokens=True)
