@@ -68,8 +68,24 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return {"*": operator.mul, "**": operator.pow}[op](left, right)
 
 
+class TemplateRefusal(TemplateError):
+    """The template itself refused the conversation (its `raise_exception(...)`)."""
+
+
 def _raise_exception(message: str) -> None:
-    raise TemplateError(f"chat template: {message}")
+    raise TemplateRefusal(f"chat template: {message}")
+
+
+def _fold_system(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with its system text put before the first user message's, or None
+    where there is no system message or no user message to carry it."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [dict(m) for m in messages if m["role"] != "system"]
+    first_user = next((m for m in rest if m["role"] == "user"), None)
+    if not system or first_user is None:
+        return None
+    first_user["content"] = "\n\n".join([*system, first_user["content"]])
+    return rest
 
 
 def _strftime_now(fmt: str) -> str:
@@ -273,14 +289,31 @@ class Tokenizer:
         return StreamingDetokenizer(
             lambda ids: self.decode(ids, skip_special_tokens=True))
 
-
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **variables: Any) -> str:
         """Render the conversation with the model's template in the sandbox.
 
-        Extra keyword arguments become template variables (e.g. `enable_thinking`).
+        Extra keyword arguments become template variables (e.g. `enable_thinking`). A
+        template that refuses a system message (Mistral-7B-Instruct v0.1/v0.2 demand strict
+        user/assistant turns, Gemma's says "System role not supported") gets the system
+        text at the start of the first user message instead, as those models' authors
+        advise and Mistral's later templates do themselves; if it still refuses, its own
+        message is the error.
         """
         check_messages(messages)
+        try:
+            return self._render(messages, add_generation_prompt, variables)
+        except TemplateRefusal as refusal:
+            folded = _fold_system(messages)
+            if folded is None:
+                raise
+            try:
+                return self._render(folded, add_generation_prompt, variables)
+            except TemplateError:  # the refusal of the conversation as the user wrote it
+                raise refusal from None
+
+    def _render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
+                variables: dict[str, Any]) -> str:
         try:
             return render_bounded(self._template, {
                 **self._template_vars, **variables,

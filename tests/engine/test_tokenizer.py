@@ -164,6 +164,32 @@ def test_a_template_that_writes_without_end_is_stopped(tmp_path: Path,
         tok.apply_chat_template(HELLO)
 
 
+MISTRAL_V02 = (  # Mistral-7B-Instruct-v0.2's template: strict turns, no system role
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+    "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant "
+    "roles are supported!') }}{% endif %}{% endfor %}")
+
+
+def test_a_system_prompt_goes_into_the_first_user_turn_where_the_template_refuses_it(
+        tmp_path: Path) -> None:
+    tok = load(tmp_path, template=MISTRAL_V02)
+    chat = [{"role": "system", "content": "Be brief."}, *HELLO,
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    assert tok.apply_chat_template(chat) == (
+        "<|im_start|>[INST] Be brief.\n\nHi there [/INST]Hello!<|im_end|>[INST] Bye [/INST]")
+    assert tok.apply_chat_template(chat[1:]) == (
+        "<|im_start|>[INST] Hi there [/INST]Hello!<|im_end|>[INST] Bye [/INST]")
+    # a refusal that folding does not cure is the template's own message, as written
+    two_users = [{"role": "system", "content": "Be brief."}, *HELLO, *HELLO]
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        tok.apply_chat_template(two_users)
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        tok.apply_chat_template([{"role": "system", "content": "Be brief."}])
+
+
 def test_raise_exception_reports_the_templates_message(tmp_path: Path) -> None:
     template = ("{% if messages[0]['role'] != 'system' %}"
                 "{{ raise_exception('Conversations must start with a system message') }}"
