@@ -284,3 +284,30 @@ def test_a_failed_reply_leaves_no_two_user_turns_in_a_row(qtbot, make_gui, tiny_
     wait_idle(qtbot, gui)
     roles = [m.role for m in gui.store.messages(gui.controller.conversation_id)]
     assert roles == ["user", "user", "assistant"]
+
+
+def test_a_draft_with_another_tokenizer_is_refused_and_never_said_ready(
+        qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    """The draft was loaded whole and the panel said "Draft … ready" beside the banner saying
+    it cannot draft; it is now refused from its tokenizer files, before its weights."""
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    target = tiny_pair[0]
+    swapped = write_tiny_model(tmp_path / "swapped-draft", hidden_size=32, seed=3)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (k for k, i in vocab.items() if i in (100, 101))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    gui = make_gui(replace(plain_settings(target), drafter="model", draft=str(swapped)))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    loading: list[str] = []
+    gui.host.worker.model_loading.connect(loading.append)
+    gui.controller.send("Hello there")
+    wait_idle(qtbot, gui)
+    assert gui.window.banner.text.startswith(f"{swapped} cannot draft for {target}: ")
+    assert "2 token ids map to different strings" in gui.window.banner.text
+    assert gui.window.settings_panel.model_status.text() == (
+        f"tiny-target · {gui.controller.model.model_type} · {gui.controller.model.backend}")
+    assert loading == []
+    assert [m.role for m in gui.store.messages(gui.controller.conversation_id)] == ["user"]
