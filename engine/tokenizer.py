@@ -200,6 +200,8 @@ class Tokenizer:
         self.eos_token = eos_token
         self.add_bos_token = add_bos_token
         self.template_warning: str | None = None
+        # text that ends a reply as an eos id would (see the ChatML fallback below)
+        self.stop_strings: tuple[str, ...] = ()
         if bos_token_id is None and bos_token is not None:
             bos_token_id = tokenizer.token_to_id(bos_token)
         self.bos_token_id: int | None = bos_token_id
@@ -215,6 +217,8 @@ class Tokenizer:
             im_end = tokenizer.token_to_id("<|im_end|>")
             if im_end is not None:
                 eos.add(im_end)
+            else:  # a base model's vocabulary: it ends its turn by writing the marker out
+                self.stop_strings = ("<|im_end|>",)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self._template_vars = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._template_vars.update(bos_token=bos_token or "", eos_token=eos_token or "")

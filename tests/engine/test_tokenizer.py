@@ -228,6 +228,27 @@ def test_missing_template_falls_back_to_chatml_with_warning(tmp_path: Path) -> N
     assert tok.eos_token_ids == {0, 2}  # its own eos, and the end of a ChatML turn
 
 
+def test_chatml_fallback_stops_at_the_written_marker_where_the_vocabulary_lacks_it(
+        tmp_path: Path) -> None:
+    """A base model without ChatML's tokens writes "<|im_end|>" out as text when its turn
+    ends; that text stops the reply as the token would, instead of the model going on to
+    write the user's next turn."""
+    folder = tmp_path / "base"
+    folder.mkdir()
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    with pytest.warns(UserWarning, match="no chat template"):
+        base = Tokenizer.from_folder(folder)
+    assert base.stop_strings == ("<|im_end|>",) and base.eos_token_ids == frozenset()
+    with pytest.warns(UserWarning, match="no chat template"):
+        chatml = load(tmp_path, template=None)
+    assert chatml.stop_strings == () and 2 in chatml.eos_token_ids
+    assert load(tmp_path / "t").stop_strings == ()
+
+
 def test_syntax_error_is_reported_at_load(tmp_path: Path) -> None:
     with pytest.raises(TemplateError, match="syntax error"):
         load(tmp_path, template="{% for m in messages %}{{ m['content'] }")
