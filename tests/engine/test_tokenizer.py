@@ -190,6 +190,18 @@ def test_a_system_prompt_goes_into_the_first_user_turn_where_the_template_refuse
         tok.apply_chat_template([{"role": "system", "content": "Be brief."}])
 
 
+@pytest.mark.parametrize(("template", "name"), [
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ 10.0 ** 999 }}", "OverflowError"),
+])
+def test_whatever_a_template_raises_is_a_template_error(tmp_path: Path, template: str,
+                                                        name: str) -> None:
+    """These reached the user as a traceback (the CLI) or a crash report (the app)."""
+    with pytest.raises(TemplateError, match=f"^chat template failed: {name}: "):
+        load(tmp_path, template=template).apply_chat_template(HELLO)
+
+
 def test_raise_exception_reports_the_templates_message(tmp_path: Path) -> None:
     template = ("{% if messages[0]['role'] != 'system' %}"
                 "{{ raise_exception('Conversations must start with a system message') }}"
