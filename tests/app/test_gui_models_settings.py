@@ -311,3 +311,30 @@ def test_a_draft_with_another_tokenizer_is_refused_and_never_said_ready(
         f"tiny-target · {gui.controller.model.model_type} · {gui.controller.model.backend}")
     assert loading == []
     assert [m.role for m in gui.store.messages(gui.controller.conversation_id)] == ["user"]
+
+
+def test_a_model_without_chat_template_is_a_short_note_beside_the_banner(
+        qtbot, make_gui, tmp_path, screenshots_dir) -> None:
+    """The side panel repeated the banner's whole warning under Target, six wrapped lines
+    in a row with room for five, cut off at the top and bottom."""
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "plain")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    gui = make_gui(plain_settings(folder))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    gui.window.resize(1100, 700)
+    status = gui.window.settings_panel.model_status
+    qtbot.waitUntil(lambda: status.text().startswith("plain · "), timeout=TIMEOUT)
+    warning = gui.controller.model.template_warning
+    assert warning is not None and "has no chat template" in warning
+    assert gui.window.banner.text == warning
+    assert status.text() == (f"plain · {gui.controller.model.model_type} · "
+                             f"{gui.controller.model.backend}\nNo chat template")
+    assert status.toolTip() == warning
+    # nothing cut off, once the layout has taken the new text
+    qtbot.waitUntil(lambda: status.height() >= status.heightForWidth(status.width()),
+                    timeout=3000)
+    gui.window.grab().save(str(screenshots_dir / "model_without_chat_template.png"))
