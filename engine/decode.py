@@ -378,7 +378,7 @@ class ChatSession:
         """Turn raw steps into events until eos, a stop string, max tokens or cancel."""
         tok = self.target.tokenizer
         detok = tok.detokenizer()
-        stopper = StopMatcher(options.stop)
+        stopper = StopMatcher((*options.stop, *tok.stop_strings))
         eos = tok.eos_token_ids
         text_parts: list[str] = []
         generated: list[int] = []

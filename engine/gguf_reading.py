@@ -88,7 +88,9 @@ def read_gguf(src: Path) -> tuple[dict[str, TensorSource], dict[str, Any]]:
     if len(head) < 8 or int.from_bytes(head[4:8], "little") not in (2, 3):
         raise ModelFormatError(f"{src}: unsupported GGUF version (expected 2 or 3)")
     try:
-        tensors, meta = mx.load(str(src), return_metadata=True)
+        # format named: mx.load goes by the extension, and a "MODEL.GGUF" (a renamed or
+        # Windows download) was read by the slow path, its weights decoded and re-quantized
+        tensors, meta = mx.load(str(src), format="gguf", return_metadata=True)
     except (RuntimeError, ValueError):  # another type, or a damaged file: the reader says which
         return _read_with_gguf(src)
     return {n: _loaded(n, x) for n, x in tensors.items()}, meta

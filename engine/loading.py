@@ -158,7 +158,7 @@ def resolve_model_path(spec: str) -> Path:
                 return snap
         return path
     if path.is_file():
-        if path.suffix == ".gguf":
+        if path.suffix.lower() == ".gguf":
             raise ModelFormatError(
                 f"{path}: is a GGUF file; import it first with `understudy import-gguf {path}`")
         raise ModelFormatError(f"{path}: is a file; expected a model folder with config.json")

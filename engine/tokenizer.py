@@ -2,7 +2,8 @@
 
 Chat templates come with downloaded models, so they are untrusted code: they render in an
 immutable sandbox where touching an unsafe attribute raises at once (jinja's default is to
-return an undefined value and only fail later, if ever). Models without a template fall back
+return an undefined value and only fail later, if ever), within a time and output budget
+(`render_budget`). Models without a template fall back
 to ChatML with a visible warning rather than refusing to chat.
 
 Generated text reaches the screen through `StreamingDetokenizer`, which never splits a
@@ -25,8 +26,9 @@ from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.errors import ModelFormatError, PromptError, TemplateError
+from engine.errors import AppWarning, ModelFormatError, PromptError, TemplateError
 from engine.events import CUT_MARK, without_cut_mark
+from engine.render_budget import render_bounded
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -36,6 +38,10 @@ CHATML_TEMPLATE = (
 )
 _MAX_SEQUENCE = 1_000_000  # longest string/list a template may build with `*`
 _MAX_EXPONENT = 1_000
+
+
+class ChatTemplateWarning(AppWarning):
+    """A model without a chat template is run with ChatML; front ends say so in one line."""
 
 
 class _Sandbox(ImmutableSandboxedEnvironment):
@@ -62,8 +68,24 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return {"*": operator.mul, "**": operator.pow}[op](left, right)
 
 
+class TemplateRefusal(TemplateError):
+    """The template itself refused the conversation (its `raise_exception(...)`)."""
+
+
 def _raise_exception(message: str) -> None:
-    raise TemplateError(f"chat template: {message}")
+    raise TemplateRefusal(f"chat template: {message}")
+
+
+def _fold_system(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The conversation with its system text put before the first user message's, or None
+    where there is no system message or no user message to carry it."""
+    system = [m["content"] for m in messages if m["role"] == "system"]
+    rest = [dict(m) for m in messages if m["role"] != "system"]
+    first_user = next((m for m in rest if m["role"] == "user"), None)
+    if not system or first_user is None:
+        return None
+    first_user["content"] = "\n\n".join([*system, first_user["content"]])
+    return rest
 
 
 def _strftime_now(fmt: str) -> str:
@@ -178,6 +200,8 @@ class Tokenizer:
         self.eos_token = eos_token
         self.add_bos_token = add_bos_token
         self.template_warning: str | None = None
+        # text that ends a reply as an eos id would (see the ChatML fallback below)
+        self.stop_strings: tuple[str, ...] = ()
         if bos_token_id is None and bos_token is not None:
             bos_token_id = tokenizer.token_to_id(bos_token)
         self.bos_token_id: int | None = bos_token_id
@@ -189,10 +213,12 @@ class Tokenizer:
             self.template_warning = (
                 f"{source} has no chat template; using ChatML, which this model may not "
                 "have been trained on, so replies may be poor")
-            warnings.warn(self.template_warning, UserWarning, stacklevel=2)
+            warnings.warn(self.template_warning, ChatTemplateWarning, stacklevel=2)
             im_end = tokenizer.token_to_id("<|im_end|>")
             if im_end is not None:
                 eos.add(im_end)
+            else:  # a base model's vocabulary: it ends its turn by writing the marker out
+                self.stop_strings = ("<|im_end|>",)
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self._template_vars = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._template_vars.update(bos_token=bos_token or "", eos_token=eos_token or "")
@@ -256,19 +282,46 @@ class Tokenizer:
         return self._tok.decode([int(token_id)], skip_special_tokens=False)
 
     def detokenizer(self) -> StreamingDetokenizer:
-        return StreamingDetokenizer(self.decode)
+        """The reply's text as it streams, without special tokens.
+
+        A special (control) token the model writes but that does not stop it (ChatML's
+        `<|im_start|>` from a model whose template is another, a Llama header id) is
+        markup, not text: shown, it reads as garbage, and stored in the reply it would come
+        back as that control token in the next turn's prompt, since special-token text in a
+        message is encoded as the token itself. Servers and chat apps (vLLM, llama.cpp's
+        server, transformers' pipelines) leave them out the same way."""
+        return StreamingDetokenizer(
+            lambda ids: self.decode(ids, skip_special_tokens=True))
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **variables: Any) -> str:
         """Render the conversation with the model's template in the sandbox.
 
-        Extra keyword arguments become template variables (e.g. `enable_thinking`).
+        Extra keyword arguments become template variables (e.g. `enable_thinking`). A
+        template that refuses a system message (Mistral-7B-Instruct v0.1/v0.2 demand strict
+        user/assistant turns, Gemma's says "System role not supported") gets the system
+        text at the start of the first user message instead, as those models' authors
+        advise and Mistral's later templates do themselves; if it still refuses, its own
+        message is the error.
         """
         check_messages(messages)
         try:
-            return self._template.render(
-                **{**self._template_vars, **variables},
-                messages=messages, add_generation_prompt=add_generation_prompt)
+            return self._render(messages, add_generation_prompt, variables)
+        except TemplateRefusal as refusal:
+            folded = _fold_system(messages)
+            if folded is None:
+                raise
+            try:
+                return self._render(folded, add_generation_prompt, variables)
+            except TemplateError:  # the refusal of the conversation as the user wrote it
+                raise refusal from None
+
+    def _render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
+                variables: dict[str, Any]) -> str:
+        try:
+            return render_bounded(self._template, {
+                **self._template_vars, **variables,
+                "messages": messages, "add_generation_prompt": add_generation_prompt})
         except TemplateError:
             raise
         except SecurityError as e:
@@ -276,7 +329,9 @@ class Tokenizer:
                 f"chat template tried to escape its sandbox and was stopped: {e}") from e
         except jinja2.TemplateError as e:
             raise TemplateError(f"chat template failed: {e}") from e
-        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        except Exception as e:  # noqa: BLE001 - the template is untrusted
+            # code: whatever it raises (1/0, 10.0 ** 999, a macro calling itself) is its
+            # failure, said in one line, never a traceback
             raise TemplateError(f"chat template failed: {type(e).__name__}: {e}") from e
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

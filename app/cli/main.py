@@ -297,9 +297,7 @@ def _session(args: argparse.Namespace):
     from engine.decode import ChatSession
     from engine.loading import load_model
 
-    target = load_model(args.model)
-    if target.tokenizer.template_warning:
-        print(f"warning: {target.tokenizer.template_warning}", file=sys.stderr)
+    target = load_model(args.model)  # a missing chat template: a ChatTemplateWarning line
     draft = load_model(args.draft) if args.draft else None
     from engine.drafters.head_io import head_for_drafter
 

@@ -90,9 +90,7 @@ class EngineThread:
         from engine.drafters.head_io import require_head, usable_head
         from engine.loading import load_model
 
-        target = load_model(self.spec.model)
-        if target.tokenizer.template_warning:
-            log.warning("%s", target.tokenizer.template_warning)
+        target = load_model(self.spec.model)  # no chat template: a ChatTemplateWarning line
         draft = load_model(self.spec.draft) if self.spec.draft else None
         drafter = self.spec.warm_drafter
         # the trained head rides along whenever one exists, so a request may name `head`

@@ -113,6 +113,7 @@ class ModelsPanel(QDialog):
         c.library_failed.connect(self.show_error)
         c.model_deleted.connect(self._on_model_deleted)
         c.model_imported.connect(self._on_model_imported)
+        c.import_ended.connect(self._on_import_ended)
         c.offline_changed.connect(self._on_offline_changed)
         self._on_offline_changed(c.offline)
         c.refresh_library()
@@ -497,6 +498,12 @@ class ModelsPanel(QDialog):
         self.banner.hide()
         self.show_info(f"Imported {model.name} ({format_bytes(model.size_bytes)}).")
         self.select_library(model.name)
+
+    def _on_import_ended(self, ok: bool) -> None:
+        """A failed import leaves no "Importing …" line beside the banner saying why (a
+        folder whose name is taken is imported again under the name the user gives)."""
+        if not ok:
+            self.show_info("")
 
     def _on_import_folder_clicked(self) -> None:
         folder = QFileDialog.getExistingDirectory(self, "Import a model folder")

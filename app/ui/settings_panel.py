@@ -352,6 +352,7 @@ class SettingsPanel(QWidget):
 
     def _on_model_loading(self, spec: str) -> None:
         self.model_status.setText(f"Loading {spec}…")
+        self.model_status.setToolTip("")
 
     def _on_model_load_failed(self, spec: str, _message: str) -> None:
         model = self.controller.model
@@ -373,8 +374,11 @@ class SettingsPanel(QWidget):
         self._target_path = Path(info.path) if info.path else None
         note = f"{info.name} · {info.model_type} · {info.backend}"
         if info.template_warning:
-            note += f"\n{info.template_warning}"
+            # the banner and the tooltip carry the whole warning: here its six wrapped
+            # lines were cut off at the top and bottom of this row
+            note += "\nNo chat template"
         self.model_status.setText(note)
+        self.model_status.setToolTip(info.template_warning or "")
         self._updating = True
         try:
             self._fill_targets(info.spec)

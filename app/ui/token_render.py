@@ -35,7 +35,7 @@ from pygments.util import ClassNotFound
 
 from app.store import Message, stats_from_dict
 from engine.context_fit import dropped_note
-from engine.events import Stats, Step, Token, TokenKind
+from engine.events import CUT_MARK, Stats, Step, Token, TokenKind
 
 MONO = "Menlo, 'SF Mono', Consolas, 'DejaVu Sans Mono', monospace"
 COPY_SCHEME = "copy-code"  # anchors "copy-code:<n>" ask the view to copy code block n
@@ -130,10 +130,13 @@ def _escape(text: str) -> str:
 
 def shown_text(token: Token) -> str:
     """The text a token shows: its own, except that a ghost must stay visible even when
-    its text is empty or only control characters (a newline, a stray byte)."""
-    if token.kind is TokenKind.REJECTED and not any(c.isprintable() for c in token.text):
-        return "\N{WHITE SQUARE}"
-    return token.text
+    its text is empty or only control characters (a newline), and never shows U+FFFD: a
+    rejected token that is part of a character (byte-level vocabularies split CJK and
+    emoji into bytes) decodes alone to U+FFFD, which read as broken text in the reply."""
+    if token.kind is not TokenKind.REJECTED:
+        return token.text
+    text = token.text.replace(CUT_MARK, "")
+    return text if any(c.isprintable() for c in text) else "\N{WHITE SQUARE}"
 
 
 def token_span(token: Token, dark: bool = False, warning: str = "", code: bool = False) -> str:

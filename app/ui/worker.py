@@ -242,7 +242,14 @@ class EngineWorker(QObject):
             self.head_available.emit(str(self._target_spec), self._trained_head() is not None)
 
     def _draft_model(self, spec: str):
+        """The draft model for `spec`, loaded once. Its tokenizer is checked against the
+        target's first (their files only), so a draft that cannot draft for the target is
+        refused before its weights are read and never reported as ready."""
         if spec not in self._drafts:
+            from engine.compat import require_compatible
+            from engine.loading import resolve_model_path
+
+            require_compatible(self._target.path, resolve_model_path(spec))
             self.model_loading.emit(spec)
             self._drafts.clear()  # keep one draft in memory at a time
             with self._load_failures_said(spec):

@@ -149,6 +149,21 @@ def test_the_message_as_an_argument_or_piped(chain: Path, tmp_path: Path,
     assert both.returncode == 2 and "not allowed with" in both.stderr
 
 
+def test_a_model_without_chat_template_is_one_warning_line(tmp_path: Path) -> None:
+    """Once, as the app's `warning:` line: not also Python's form naming a source line."""
+    folder = write_tiny_model(tmp_path / "plain")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    proc = cli("generate", "--model", str(folder), "--prompt", "Hi", "--max-tokens", "2",
+               data_dir=tmp_path / "data")
+    assert proc.returncode == 0, proc.stderr
+    warned = [line for line in proc.stderr.splitlines() if "chat template" in line]
+    assert warned == [f"warning: {folder} has no chat template; using ChatML, which this "
+                      "model may not have been trained on, so replies may be poor"], proc.stderr
+    assert "Warning" not in proc.stderr
+
+
 @pytest.mark.parametrize(
     ("content", "needle"),
     [("not json", "not valid JSON"), ('{"role": "user"}', "list of {role, content}"),

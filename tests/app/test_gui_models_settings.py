@@ -284,3 +284,57 @@ def test_a_failed_reply_leaves_no_two_user_turns_in_a_row(qtbot, make_gui, tiny_
     wait_idle(qtbot, gui)
     roles = [m.role for m in gui.store.messages(gui.controller.conversation_id)]
     assert roles == ["user", "user", "assistant"]
+
+
+def test_a_draft_with_another_tokenizer_is_refused_and_never_said_ready(
+        qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    """The draft was loaded whole and the panel said "Draft … ready" beside the banner saying
+    it cannot draft; it is now refused from its tokenizer files, before its weights."""
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    target = tiny_pair[0]
+    swapped = write_tiny_model(tmp_path / "swapped-draft", hidden_size=32, seed=3)
+    tok = json.loads((swapped / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = (k for k, i in vocab.items() if i in (100, 101))
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    gui = make_gui(replace(plain_settings(target), drafter="model", draft=str(swapped)))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    loading: list[str] = []
+    gui.host.worker.model_loading.connect(loading.append)
+    gui.controller.send("Hello there")
+    wait_idle(qtbot, gui)
+    assert gui.window.banner.text.startswith(f"{swapped} cannot draft for {target}: ")
+    assert "2 token ids map to different strings" in gui.window.banner.text
+    assert gui.window.settings_panel.model_status.text() == (
+        f"tiny-target · {gui.controller.model.model_type} · {gui.controller.model.backend}")
+    assert loading == []
+    assert [m.role for m in gui.store.messages(gui.controller.conversation_id)] == ["user"]
+
+
+def test_a_model_without_chat_template_is_a_short_note_beside_the_banner(
+        qtbot, make_gui, tmp_path, screenshots_dir) -> None:
+    """The side panel repeated the banner's whole warning under Target, six wrapped lines
+    in a row with room for five, cut off at the top and bottom."""
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "plain")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    gui = make_gui(plain_settings(folder))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    gui.window.resize(1100, 700)
+    status = gui.window.settings_panel.model_status
+    qtbot.waitUntil(lambda: status.text().startswith("plain · "), timeout=TIMEOUT)
+    warning = gui.controller.model.template_warning
+    assert warning is not None and "has no chat template" in warning
+    assert gui.window.banner.text == warning
+    assert status.text() == (f"plain · {gui.controller.model.model_type} · "
+                             f"{gui.controller.model.backend}\nNo chat template")
+    assert status.toolTip() == warning
+    # nothing cut off, once the layout has taken the new text
+    qtbot.waitUntil(lambda: status.height() >= status.heightForWidth(status.width()),
+                    timeout=3000)
+    gui.window.grab().save(str(screenshots_dir / "model_without_chat_template.png"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import socket
 import threading
@@ -429,6 +430,28 @@ def test_import_folder_adds_a_ready_model(qtbot, hub, relay, cache, memory_keyri
     assert _cell(panel.library_model, row, "Kind") == "Imported"
     assert _cell(panel.library_model, row, "Status") == "✓ Ready"
     assert hub.n_requests == 0
+
+
+def test_a_refused_import_leaves_only_the_reason(qtbot, hub, relay, cache, memory_keyring,
+                                                async_loop, tmp_path, monkeypatch,
+                                                screenshots_dir):
+    """The footer kept saying "Importing …" under the banner that said it was refused."""
+    folder = write_tiny_model(tmp_path / "phi3-like", "llama")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "phi3"}))
+    controller = ModelsController(QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat))
+    panel = ModelsPanel(controller)
+    qtbot.addWidget(panel)
+    panel.resize(900, 500)
+    panel.show()
+    monkeypatch.setattr(QFileDialog, "getExistingDirectory", lambda *a, **k: str(folder))
+    with qtbot.waitSignal(controller.import_ended, timeout=TIMEOUT) as ended:
+        qtbot.mouseClick(panel.import_folder_button, Qt.MouseButton.LeftButton)
+    assert ended.args == [False]
+    assert panel.error_text == (f"{folder}: config.json: model_type 'phi3' is not supported "
+                                "(supported: llama, mistral, qwen2, qwen3)")
+    assert panel.info_label.text() == ""
+    panel.grab().save(str(screenshots_dir / "models_import_refused.png"))
 
 
 def test_search_covers_every_author_runnable_first_and_the_author_field_narrows(

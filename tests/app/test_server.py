@@ -873,3 +873,24 @@ def test_a_trained_head_is_served_and_auto_may_use_it(tmp_path: Path) -> None:
         assert text == plain
     finally:
         shutil.rmtree(root)
+
+
+def test_a_model_without_chat_template_is_said_once(tmp_path: Path,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """`serve` printed it twice: the app's warning line, then the same as a log record."""
+    import json
+
+    from engine.tokenizer import ChatTemplateWarning
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / "plain")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = EngineThread(EngineSpec(str(folder), None, "auto"))
+    try:
+        with pytest.warns(ChatTemplateWarning, match="has no chat template"):
+            engine.start()
+    finally:
+        engine.close()
+    assert [r.getMessage() for r in caplog.records if "chat template" in r.getMessage()] == []

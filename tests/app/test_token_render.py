@@ -72,6 +72,23 @@ def test_hiding_rejected_leaves_exactly_the_committed_text(qapp) -> None:
     assert doc.toPlainText() == "".join(s.text for s in STEPS)
 
 
+def test_a_rejected_piece_of_a_character_never_shows_a_replacement_mark(qapp) -> None:
+    """A byte-level draft token that is one byte of 你 decodes alone to U+FFFD; as a ghost
+    it showed that mark in the reply. It shows as a stray byte's square instead."""
+    steps = [Step((Token(1, "你", TokenKind.ACCEPTED, 0.9),
+                   Token(2, "\ufffd", TokenKind.REJECTED, 0.4),
+                   Token(3, "好", TokenKind.REPLACED, 0.8)),
+                  n_drafted=2, n_accepted=1, k=2, drafter="model"),
+             Step((Token(4, " \ufffd", TokenKind.ACCEPTED, 0.3),
+                   Token(5, "\ufffd", TokenKind.REJECTED, 0.3),
+                   Token(6, "!", TokenKind.REPLACED, 0.9)),
+                  n_drafted=2, n_accepted=1, k=2, drafter="model")]
+    shown = doc_of(wrap_pre(tokens_html(steps))).toPlainText()
+    assert shown == "你\N{WHITE SQUARE}好 \ufffd\N{WHITE SQUARE}!"  # committed text as is
+    assert doc_of(wrap_pre(tokens_html(steps, show_rejected=False))).toPlainText() == (
+        "你好 \ufffd!")
+
+
 def test_tooltip_names_kind_and_probability() -> None:
     tip = token_tooltip(Token(9, " x", TokenKind.BONUS, 0.125))
     assert tip.splitlines()[0].startswith("bonus: ")

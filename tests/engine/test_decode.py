@@ -137,6 +137,31 @@ def test_streamed_text_has_no_replacement_chars(tiny: LoadedModel, chain: Loaded
         assert fin.text == "".join(s.text for s in steps)
 
 
+def test_special_tokens_that_do_not_stop_are_left_out_of_the_text(tmp_path: Path) -> None:
+    """A control token the model writes (not an eos id) is markup: the reply's text, streamed
+    and whole, leaves it out, so it never shows nor comes back as a control token in the
+    next turn's prompt; the step still carries the token."""
+    start = special_token_id("<|im_start|>")
+    path = write_chain_model(tmp_path / "m", "Hé<|im_start|>fox")
+    _, steps, fin = run(ChatSession(load_model(path)), GenerateOptions(max_tokens=20))
+    assert (fin.text, fin.stats.finish_reason) == ("Héfox", "eos")
+    assert "".join(s.text for s in steps) == "Héfox"
+    assert start in fin.token_ids
+    assert [t.text for s in steps for t in s.tokens if t.id == start] == [""]
+
+
+def test_the_tokenizers_stop_strings_end_the_reply(tmp_path: Path) -> None:
+    """What a tokenizer says ends a turn in text (the ChatML fallback's "<|im_end|>" for a
+    vocabulary without that token) stops the reply as a user's stop string does."""
+    model = load_model(write_chain_model(tmp_path / "m"))
+    model.tokenizer.stop_strings = ("🦊",)
+    _, steps, fin = run(ChatSession(model), GenerateOptions(max_tokens=50))
+    assert (fin.text, fin.stats.finish_reason) == ("Hé", "stop")
+    assert "".join(s.text for s in steps) == "Hé"
+    _, _, fin = run(ChatSession(model), GenerateOptions(max_tokens=50, stop=("x",)))
+    assert (fin.text, fin.stats.finish_reason) == ("Hé", "stop")
+
+
 # ---------------------------------------------------------------------------- stopping
 
 

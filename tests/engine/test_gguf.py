@@ -195,6 +195,16 @@ def test_weights_keep_types_and_get_hf_names(tmp_path: Path) -> None:
     assert not any(k.startswith(("blk.", "token_embd", "output")) for k in weights)
 
 
+def test_an_upper_case_extension_is_read_the_same_way(tmp_path: Path) -> None:
+    """mx.load goes by the extension: "M.GGUF" took the slow path, its quantized weights
+    decoded to float32 (float32 on the CPU, re-quantized elsewhere)."""
+    write_tiny_gguf(tmp_path / "m.gguf", types=MIXED, tie=True)
+    (tmp_path / "m.gguf").rename(tmp_path / "M.GGUF")
+    weights = mx.load(str(import_gguf(tmp_path / "M.GGUF", tmp_path / "out") / "model.safetensors"))
+    assert weights["model.embed_tokens.weight"].dtype == mx.uint32  # stays quantized
+    assert weights["model.layers.1.self_attn.k_proj.weight"].dtype == mx.float16
+
+
 def test_import_reports_each_tensor(tmp_path: Path) -> None:
     """A progress bar's feed: 0..n arrays read from the file (a quantized tensor is read as
     weight, scales and biases), in order, ending at n."""

@@ -406,8 +406,9 @@ def test_resolve_name_in_models_dir(
         resolve_model_path("nothing-here")
 
 
-def test_gguf_file_points_to_import(tmp_path: Path) -> None:
-    f = tmp_path / "x.gguf"
+@pytest.mark.parametrize("name", ["x.gguf", "X.GGUF"])
+def test_gguf_file_points_to_import(tmp_path: Path, name: str) -> None:
+    f = tmp_path / name
     f.write_bytes(b"GGUF")
     with pytest.raises(ModelFormatError, match=r"understudy import-gguf"):
         resolve_model_path(str(f))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,71 @@ def test_escape_payload_is_never_executed(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+NESTED = "{% for i in range(100000) %}{% for j in range(100000) %}BODY{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("body", ["", "{% set x = i * j %}"])
+def test_a_template_that_never_ends_is_stopped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               body: str) -> None:
+    """10^10 iterations writing nothing: stopped in its own thread, which then runs on."""
+    monkeypatch.setattr("engine.render_budget.RENDER_SECONDS", 0.5)
+    tok = load(tmp_path, template=NESTED.replace("BODY", body))
+    t0 = time.monotonic()
+    with pytest.raises(TemplateError, match=r"ran for more than 0.5 s"):
+        tok.apply_chat_template(HELLO)
+    assert time.monotonic() - t0 < 3
+    ok = load(tmp_path / "ok")
+    for _ in range(50):  # nothing scheduled for this thread is left to land later
+        assert ok.apply_chat_template(HELLO).startswith("<|im_start|>user")
+        time.sleep(0.01)
+
+
+def test_a_template_that_writes_without_end_is_stopped(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("engine.render_budget.MAX_RENDER_CHARS", 200_000)
+    tok = load(tmp_path, template=NESTED.replace("BODY", "{{ 'x' * 1000 }}"))
+    with pytest.raises(TemplateError, match="output passed 200,000 characters"):
+        tok.apply_chat_template(HELLO)
+
+
+MISTRAL_V02 = (  # Mistral-7B-Instruct-v0.2's template: strict turns, no system role
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != "
+    "(loop.index0 % 2 == 0) %}{{ raise_exception('Conversation roles must alternate "
+    "user/assistant/user/assistant/...') }}{% endif %}{% if message['role'] == 'user' %}"
+    "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] + eos_token}}{% else %}{{ raise_exception('Only user and assistant "
+    "roles are supported!') }}{% endif %}{% endfor %}")
+
+
+def test_a_system_prompt_goes_into_the_first_user_turn_where_the_template_refuses_it(
+        tmp_path: Path) -> None:
+    tok = load(tmp_path, template=MISTRAL_V02)
+    chat = [{"role": "system", "content": "Be brief."}, *HELLO,
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    assert tok.apply_chat_template(chat) == (
+        "<|im_start|>[INST] Be brief.\n\nHi there [/INST]Hello!<|im_end|>[INST] Bye [/INST]")
+    assert tok.apply_chat_template(chat[1:]) == (
+        "<|im_start|>[INST] Hi there [/INST]Hello!<|im_end|>[INST] Bye [/INST]")
+    # a refusal that folding does not cure is the template's own message, as written
+    two_users = [{"role": "system", "content": "Be brief."}, *HELLO, *HELLO]
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        tok.apply_chat_template(two_users)
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        tok.apply_chat_template([{"role": "system", "content": "Be brief."}])
+
+
+@pytest.mark.parametrize(("template", "name"), [
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ 10.0 ** 999 }}", "OverflowError"),
+])
+def test_whatever_a_template_raises_is_a_template_error(tmp_path: Path, template: str,
+                                                        name: str) -> None:
+    """These reached the user as a traceback (the CLI) or a crash report (the app)."""
+    with pytest.raises(TemplateError, match=f"^chat template failed: {name}: "):
+        load(tmp_path, template=template).apply_chat_template(HELLO)
+
+
 def test_raise_exception_reports_the_templates_message(tmp_path: Path) -> None:
     template = ("{% if messages[0]['role'] != 'system' %}"
                 "{{ raise_exception('Conversations must start with a system message') }}"
@@ -172,6 +238,27 @@ def test_missing_template_falls_back_to_chatml_with_warning(tmp_path: Path) -> N
     assert tok.apply_chat_template(HELLO) == (
         "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n")
     assert tok.eos_token_ids == {0, 2}  # its own eos, and the end of a ChatML turn
+
+
+def test_chatml_fallback_stops_at_the_written_marker_where_the_vocabulary_lacks_it(
+        tmp_path: Path) -> None:
+    """A base model without ChatML's tokens writes "<|im_end|>" out as text when its turn
+    ends; that text stops the reply as the token would, instead of the model going on to
+    write the user's next turn."""
+    folder = tmp_path / "base"
+    folder.mkdir()
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = HFTokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(folder / "tokenizer.json"))
+    with pytest.warns(UserWarning, match="no chat template"):
+        base = Tokenizer.from_folder(folder)
+    assert base.stop_strings == ("<|im_end|>",) and base.eos_token_ids == frozenset()
+    with pytest.warns(UserWarning, match="no chat template"):
+        chatml = load(tmp_path, template=None)
+    assert chatml.stop_strings == () and 2 in chatml.eos_token_ids
+    assert load(tmp_path / "t").stop_strings == ()
 
 
 def test_syntax_error_is_reported_at_load(tmp_path: Path) -> None:
@@ -244,8 +331,9 @@ def byte_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ids=st.lists(st.integers(0, 261), max_size=40))
 def test_stream_equals_full_decode_for_any_ids(byte_tokenizer: Tokenizer, ids: list[int]) -> None:
-    """Any id sequence, including invalid UTF-8 byte runs."""
-    assert "".join(stream(byte_tokenizer, ids)) == byte_tokenizer.decode(ids)
+    """Any id sequence, including invalid UTF-8 byte runs and special tokens (left out)."""
+    assert "".join(stream(byte_tokenizer, ids)) == byte_tokenizer.decode(
+        ids, skip_special_tokens=True)
 
 
 @settings(max_examples=200, deadline=None)
@@ -256,6 +344,13 @@ def test_stream_never_splits_a_character(byte_tokenizer: Tokenizer, text: str) -
     pieces = stream(byte_tokenizer, ids)
     assert "".join(pieces) == text
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stream_leaves_special_tokens_out(byte_tokenizer: Tokenizer) -> None:
+    ids = byte_tokenizer.encode("the<|im_start|>user\n<|im_end|>é")
+    assert 1 in ids and 2 in ids  # <|im_start|>, <|im_end|>
+    assert "".join(stream(byte_tokenizer, ids)) == "theuser\né"
+    assert byte_tokenizer.token_text(1) == "<|im_start|>"  # a drafted token still shows
 
 
 def test_stream_holds_partial_characters_back(byte_tokenizer: Tokenizer) -> None:
@@ -367,4 +462,5 @@ def test_demo_ids_match_transformers(demo_tokenizer: Tokenizer, oracle: Any, tex
                               st.sampled_from([40993, 179, 120, 248, 15107, 235, 241, 115])),
                     max_size=30))
 def test_demo_stream_equals_full_decode(demo_tokenizer: Tokenizer, ids: list[int]) -> None:
-    assert "".join(stream(demo_tokenizer, ids)) == demo_tokenizer.decode(ids)
+    assert "".join(stream(demo_tokenizer, ids)) == demo_tokenizer.decode(
+        ids, skip_special_tokens=True)
