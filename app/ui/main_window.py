@@ -36,7 +36,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.hub.api import format_bytes
-from app.store import Message
+from app.store import DEFAULT_TITLE, Message
 from app.ui.chat_view import ChatView
 from app.ui.comparison import ComparisonView
 from app.ui.composer import Composer
@@ -127,7 +127,7 @@ class MainWindow(QMainWindow):
         self.import_name_dialog: QInputDialog | None = None  # asking a taken import name anew
         self.train_dialog: TrainDrafterDialog | None = None  # made on first use
 
-        self.title_label = ElidedLabel("New chat")  # a long title never widens the window
+        self.title_label = ElidedLabel(DEFAULT_TITLE)  # a long title never widens the window
         self.title_label.setObjectName("chatTitle")
         self.compare_button = QPushButton("Speculative vs plain")
         self.compare_button.setCheckable(True)
@@ -627,7 +627,7 @@ class MainWindow(QMainWindow):
     def _update_title(self) -> None:
         cid = self.controller.conversation_id
         conv = self.controller.store.conversation(cid) if cid is not None else None
-        title = conv.title if conv else "New chat"
+        title = conv.title if conv else DEFAULT_TITLE
         self.title_label.setText(title)
         self.setWindowTitle(f"{title} — Understudy")
 

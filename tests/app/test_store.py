@@ -287,3 +287,21 @@ def test_hand_damaged_rows_lose_only_what_is_unreadable(tmp_path: Path) -> None:
     db.commit()
     db.close()
     assert Store(path).message(reply.id).steps == tuple(spec_step(i) for i in range(3))
+
+
+def test_blank_chats_left_by_earlier_builds_are_dropped_on_open(tmp_path: Path) -> None:
+    """Earlier builds saved a "New chat" row per click; reopening drops those, and keeps
+    every chat that holds a message or a name the user gave it."""
+    path = tmp_path / "h.sqlite3"
+    store = Store(path)
+    blank = [store.create_conversation().id for _ in range(3)]
+    named = store.create_conversation("Trip plans").id
+    used = store.create_conversation().id
+    store.add_message(used, "user", "hello")
+    assert len(store.conversations()) == 5
+    store.close()
+
+    again = Store(path)
+    assert sorted(c.id for c in again.conversations()) == sorted([named, used])
+    assert all(again.conversation(i) is None for i in blank)
+    assert [m.content for m in again.messages(used)] == ["hello"]
