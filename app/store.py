@@ -76,6 +76,7 @@ MIGRATIONS: tuple[str, ...] = (
     """,
 )
 SCHEMA_VERSION = len(MIGRATIONS)
+DEFAULT_TITLE = "New chat"
 
 
 class StoreError(Exception):
@@ -186,6 +187,7 @@ class Store:
             raise StoreError(f"{self.path}: cannot open the chat history "
                              f"({exc.strerror or exc})") from None
         self.interrupted_on_open = self._mark_interrupted()
+        self._drop_untouched_chats()
 
     def _open(self) -> sqlite3.Connection:
         """Connect, check the file is whole (else `Damaged`) and bring its schema up to date."""
@@ -239,8 +241,18 @@ class Store:
         )
         return cur.rowcount
 
+    def _drop_untouched_chats(self) -> int:
+        """Earlier builds saved a "New chat" row when New Chat was clicked, and kept
+        it when nothing was sent; those fill the list with blank entries. A chat is now
+        saved with its first message, so an untitled chat without one holds nothing."""
+        cur = self._db.execute(
+            "DELETE FROM conversations WHERE title = ? AND NOT EXISTS "
+            "(SELECT 1 FROM messages WHERE messages.conversation_id = conversations.id)",
+            (DEFAULT_TITLE,))
+        return cur.rowcount
+
     # -- conversations -----------------------------------------------------------------
-    def create_conversation(self, title: str = "New chat") -> Conversation:
+    def create_conversation(self, title: str = DEFAULT_TITLE) -> Conversation:
         now = time.time()
         cur = self._db.execute(
             "INSERT INTO conversations (title, created_at, updated_at) VALUES (?, ?, ?)",

@@ -204,6 +204,13 @@ def speculative_steps(
     pending = logits
     tree_extra = EXTRA_NODES if tree == "auto" and accept == "coupled" else 0
     carried: Choice | None = None  # the choice a pending read was made for, kept past it
+    lookup = getattr(drafters.get("ngram"), "continued_with", None) if tree_extra else None
+
+    def held_by_tree(before: Sequence[int], token: int) -> bool:
+        """Whether prompt lookup's tree, drafted after `before`, had `token` in its first
+        layer (another earlier match continued with it)."""
+        return lookup is not None and lookup(before, token)
+
     # whether the pending pass may have finished while the loop was not running (the
     # caller evaluated it, or held the loop): then a plain step times only its host work
     paused = True
@@ -218,7 +225,8 @@ def speculative_steps(
             tok, p = sample_next(pending, context, sampling)
             token, prob = int(tok.item()), float(p.item())
             pending = None
-            guessed = policy.observe(token)
+            branched = held_by_tree(context, token)
+            guessed = policy.observe(token, branched)
             # A model's choice stands, and so does prompt lookup's when it guessed this token
             # right (the copy is on: its next tokens are the draft the wait was paid for).
             # A wrong guess says the text is not being copied here: no fresh gamble — except
@@ -227,9 +235,6 @@ def speculative_steps(
             # guessed it: the copy goes on from there, at the policy's fresh choice.
             carried = choice
             if guessed is False and not choice.probe:
-                continued_with = getattr(drafter, "continued_with", None)
-                branched = (tree_extra > 0 and continued_with is not None
-                            and continued_with(context, token))
                 carried = None if branched else Choice(None, 0)
             context.append(token)
             yield RawStep([token], [TokenKind.TARGET], [prob],
@@ -256,8 +261,9 @@ def speculative_steps(
             if pending is None:
                 with inference_pass():
                     pending = forward(model, [context[-1]], caches)[-1]
+            before = len(context)
             token, prob, pending = pipelined_step(model, caches, pending, context, sampling)
-            policy.observe(token)
+            policy.observe(token, held_by_tree(context[:before], token))
             t_end = clock()
             # only a step that found its logits pending, and still being computed, shows
             # the steady plain cost; none that traced a compiled function does either (its

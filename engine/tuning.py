@@ -454,11 +454,16 @@ class DraftPolicy:
     `mode` is a drafter name or "auto" (among `available`). `fixed_k` pins K. A drafter that
     keeps failing falls to K = 0, with a short probe every PROBE_EVERY steps so it can recover.
     `ngram_match(context, k)` returns the tokens prompt lookup would draft now and the
-    length of the matched suffix; each length keeps its own acceptance estimate.
+    length of the matched suffix; each length keeps its own acceptance estimate (1, 2, 3,
+    and 4 or more tokens: a one-token match is a guess, right far less often).
 
     Prompt lookup's guesses are free to check: when a step does not verify them in a pass,
     the token it commits next says whether the first guess was right (`observe`). So its
-    estimates learn on every matched step without the policy paying to explore.
+    estimates learn on every matched step without the policy paying to explore. With trees
+    on, the check is the tree's first layer: a token another earlier match guessed is one
+    the tree would have kept, so it counts as right (without this, a one-token match, whose
+    chain guess is right ~30% of the time, was never drafted, though its tree's first
+    layer held the token up to 44% of the time).
     """
 
     def __init__(self, mode: str, available: Sequence[str], costs: CostModel | None,
@@ -533,7 +538,7 @@ class DraftPolicy:
         return self.available if self.mode == "auto" else (self.mode,)
 
     def _estimate_key(self, name: str, match_len: int) -> str:
-        return f"ngram{min(max(match_len, 2), 4)}" if name == "ngram" else name
+        return f"ngram{min(max(match_len, 1), 4)}" if name == "ngram" else name
 
     def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
         """The next step's drafter and K; `pending` as in `best_k`."""
@@ -643,16 +648,18 @@ class DraftPolicy:
         # a probe follows idle plain steps, so it starts from pending logits
         return best_k(OPTIMISTIC_ACCEPTANCE, draft_s, self.costs, 4, pending=True)[0] > 0
 
-    def observe(self, token: int) -> bool | None:
+    def observe(self, token: int, branched: bool = False) -> bool | None:
         """The token committed right after `choose` where prompt lookup's guess went unused:
-        one free observation of its acceptance. Returns whether the guess was right (None
-        when there was none)."""
+        one free observation of its acceptance. `branched`: a tree's other first-layer
+        node guessed it (with trees on, the draft would have kept it). Returns whether the
+        chain's guess was right (None when there was none)."""
         if self._guess is None:
             return None
         key, guess = self._guess
         self._guess = None
         if self.costs is not None and self.fixed_k is None:
-            self.estimates.setdefault(key, AcceptanceEstimate(0.5)).update(1, int(token == guess))
+            self.estimates.setdefault(key, AcceptanceEstimate(0.5)).update(
+                1, int(token == guess or branched))
         return token == guess
 
     def update(self, choice: Choice, n_drafted: int, n_accepted: int,

@@ -15,6 +15,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.store import (
     COMPLETE,
+    DEFAULT_TITLE,
     FAILED,
     INTERRUPTED,
     STOPPED,
@@ -83,7 +84,7 @@ def _stopped_stats(reply: _Reply) -> Stats:
 
 
 def title_from(text: str) -> str:
-    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "New chat")
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), DEFAULT_TITLE)
     return line if len(line) <= TITLE_LENGTH else line[: TITLE_LENGTH - 1].rstrip() + "…"
 
 

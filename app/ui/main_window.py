@@ -37,7 +37,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.hub.api import format_bytes
-from app.store import Message
+from app.store import DEFAULT_TITLE, Message
 from app.ui import zoom
 from app.ui.chat_view import ChatView
 from app.ui.comparison import ComparisonView
@@ -132,7 +132,7 @@ class MainWindow(QMainWindow):
         self.train_dialog: TrainDrafterDialog | None = None  # made on first use
         self.zoom = zoom.DEFAULT  # the conversation's text size (View ▸ Zoom In/Out)
 
-        self.title_label = ElidedLabel("New chat")  # a long title never widens the window
+        self.title_label = ElidedLabel(DEFAULT_TITLE)  # a long title never widens the window
         self.title_label.setObjectName("chatTitle")
         self.compare_button = QPushButton("Speculative vs plain")
         self.compare_button.setCheckable(True)
@@ -702,7 +702,7 @@ class MainWindow(QMainWindow):
     def _update_title(self) -> None:
         cid = self.controller.conversation_id
         conv = self.controller.store.conversation(cid) if cid is not None else None
-        title = conv.title if conv else "New chat"
+        title = conv.title if conv else DEFAULT_TITLE
         self.title_label.setText(title)
         self.setWindowTitle(f"{title} — Understudy")
 

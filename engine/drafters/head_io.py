@@ -294,13 +294,19 @@ def current_checkpoint(root: Path,
 def set_aside(root: Path, folder: Path) -> Path:
     """Rename a damaged checkpoint `folder` to `<name>.damaged` (kept for a look, never
     loaded again) and point current.json at the newest complete one left (removed when none
-    is). Returns the new name."""
+    is). Returns the new name.
+
+    Only the newest damaged checkpoint is kept: each is the size of a head with its
+    optimizer state (~150 MB for the demo), and one is enough to look at."""
     aside = folder.with_name(folder.name + ".damaged")
     n = 1
     while aside.exists():
         n += 1
         aside = folder.with_name(f"{folder.name}.damaged{n}")
     os.replace(folder, aside)
+    for old in root.glob("ckpt-*.damaged*"):
+        if old != aside and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
     left = checkpoints(root)
     if left:
         _write_text_atomic(root / POINTER_FILE, json.dumps({"checkpoint": left[0].name}))

@@ -334,3 +334,21 @@ def test_a_history_with_many_problems_names_a_few_on_one_line(tmp_path: Path) ->
     assert repair.reason.count("is never used") == 3
     assert "\n" not in repair.reason and repair.reason.endswith("is never used; 97 more")
     assert repair.messages == 20  # every message still read
+
+
+def test_blank_chats_left_by_earlier_builds_are_dropped_on_open(tmp_path: Path) -> None:
+    """Earlier builds saved a "New chat" row per click; reopening drops those, and keeps
+    every chat that holds a message or a name the user gave it."""
+    path = tmp_path / "h.sqlite3"
+    store = Store(path)
+    blank = [store.create_conversation().id for _ in range(3)]
+    named = store.create_conversation("Trip plans").id
+    used = store.create_conversation().id
+    store.add_message(used, "user", "hello")
+    assert len(store.conversations()) == 5
+    store.close()
+
+    again = Store(path)
+    assert sorted(c.id for c in again.conversations()) == sorted([named, used])
+    assert all(again.conversation(i) is None for i in blank)
+    assert [m.content for m in again.messages(used)] == ["hello"]

@@ -67,6 +67,13 @@ def test_a_truncated_newest_checkpoint_is_set_aside_and_training_resumes_before_
     assert read_record(current_checkpoint(root))["steps"] == 5
     assert (root / "ckpt-0000004.damaged").is_dir()  # publishing does not drop it
 
+    # a second damaged checkpoint replaces the first: one is enough to look at, and each
+    # is a head with its optimizer state
+    os.truncate(root / "ckpt-0000005" / "model.safetensors", 1000)
+    assert _train(tiny4, prompts, "--max-steps", "6") == 0
+    assert "set aside as ckpt-0000005.damaged" in capsys.readouterr().err
+    assert sorted(p.name for p in root.glob("*.damaged*")) == ["ckpt-0000005.damaged"]
+
 
 def test_the_only_checkpoint_damaged_generate_says_what_to_do_and_training_starts_afresh(
         tiny4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

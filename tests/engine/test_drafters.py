@@ -54,10 +54,14 @@ def test_ngram_follow_may_overlap_the_suffix_and_stops_at_the_end() -> None:
 
 
 def test_ngram_needs_at_least_min_n_tokens_of_suffix() -> None:
-    assert NgramDrafter().match([4, 5, 6, 4], 3) == ()  # only (4,) recurs
-    assert NgramDrafter(min_n=1).match([4, 5, 6, 4], 3) == (5, 6, 4)
+    assert NgramDrafter(min_n=2).match([4, 5, 6, 4], 3) == ()  # only (4,) recurs
+    assert NgramDrafter().match([4, 5, 6, 4], 3) == (5, 6, 4)  # one token of match
+    assert NgramDrafter().match_with_length([4, 5, 6, 4], 3) == ((5, 6, 4), 1)
+    # a longer match wins over a more recent shorter one
+    assert NgramDrafter().match_with_length([1, 2, 3, 9, 2, 7, 1, 2], 2) == ((3, 9), 2)
     assert NgramDrafter().match([], 3) == ()
-    assert NgramDrafter().match([1, 1], 3) == ()
+    assert NgramDrafter().match([1], 3) == ()
+    assert NgramDrafter(min_n=2).match([1, 1], 3) == ()
 
 
 def test_ngram_propose_is_a_deterministic_draft() -> None:
@@ -65,7 +69,7 @@ def test_ngram_propose_is_a_deterministic_draft() -> None:
     assert draft.ids == (3, 1) and draft.logq is None
 
 
-def reference_match(ctx: Sequence[int], k: int, min_n: int = 2, max_n: int = 6,
+def reference_match(ctx: Sequence[int], k: int, min_n: int = 1, max_n: int = 6,
                     max_draft: int = 16) -> tuple[int, ...]:
     """Prompt lookup spelled out: longest suffix first, then the latest earlier start."""
     k = min(k, max_draft)

@@ -528,7 +528,7 @@ class ScriptedPolicy:
         self.calls += 1
         return Choice("ngram", 3, "ngram2") if self.calls == 1 else Choice(None, 0)
 
-    def observe(self, token: int) -> bool:
+    def observe(self, token: int, branched: bool = False) -> bool:
         return self.guess_right
 
     def update(self, *args, **kwargs) -> None:
@@ -569,7 +569,7 @@ class PlainPolicy:
     def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
         return Choice(None, 0)
 
-    def observe(self, token: int) -> None:
+    def observe(self, token: int, branched: bool = False) -> None:
         return None
 
     def update(self, choice: Choice, n_drafted: int, n_accepted: int,

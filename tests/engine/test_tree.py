@@ -311,8 +311,8 @@ def test_prompt_lookup_branches_follow_the_last_token_alone() -> None:
     assert NgramDrafter().propose_tree(context, 3, EXTRA_NODES).gaps == (None,) * 3 + (2.0,) * 3
     # negative control: branches from two-token suffixes only
     assert NgramDrafter(branch_min_n=2).propose_tree(context, 3, EXTRA_NODES).parents is None
-    # and the main chain still needs two tokens of match
-    assert NgramDrafter().match([5, 2, 8, 9, 0, 7, 2], 3) == ()
+    # a main chain of two-token suffixes only needs two tokens of match
+    assert NgramDrafter(min_n=2).match([5, 2, 8, 9, 0, 7, 2], 3) == ()
 
 
 def test_prune_keeps_a_tree_only_when_its_rows_pay() -> None:

@@ -48,7 +48,7 @@ class AlwaysDraft:
     def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
         return Choice(self.name, K, None)
 
-    def observe(self, token: int) -> None:
+    def observe(self, token: int, branched: bool = False) -> None:
         return None
 
     def update(self, *args, **kwargs) -> None:
@@ -395,7 +395,7 @@ class WrongGuesses(AlwaysDraft):
     """Every prompt-lookup guess of the pending token is wrong (as `DraftPolicy.observe`
     reports it)."""
 
-    def observe(self, token: int) -> bool:
+    def observe(self, token: int, branched: bool = False) -> bool:
         return False
 
 
@@ -429,3 +429,33 @@ def test_a_wrong_guess_hit_by_another_match_keeps_copying(target: LoadedModel, t
     assert bool(drafted) is drafts
     if drafts:  # a wrong guess leads to a draft wherever lookup matched at all
         assert len(drafted) >= len(steps) // 4
+
+
+class NeverDrafts(AlwaysDraft):
+    """Plain steps only; records what each free observation was told."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branched: list[bool] = []
+
+    def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
+        return Choice(None, 0)
+
+    def observe(self, token: int, branched: bool = False) -> None:
+        self.branched.append(branched)
+
+
+@pytest.mark.parametrize(("tree", "hit", "told"), [("auto", True, True),
+                                                    ("auto", False, False),
+                                                    ("off", True, False)])
+def test_a_plain_step_tells_the_policy_when_the_lookup_tree_held_its_token(
+        target: LoadedModel, tree: str, hit: bool, told: bool) -> None:
+    """With trees on, prompt lookup's worth at a step is its tree's first layer, not its
+    chain's first guess: a plain step's free observation says whether another earlier
+    match (a first-layer branch) was followed by the token committed. With trees off, or
+    where none was, it says no."""
+    policy = NeverDrafts()
+    run_steps(target.model, SamplingParams(temperature=0.0), {"ngram": Continues(hit)},
+              policy, tree=tree)
+    assert len(policy.branched) >= N_TOKENS - 1
+    assert set(policy.branched) == {told}

@@ -326,6 +326,23 @@ def test_free_checks_of_prompt_lookup_guesses_teach_the_policy() -> None:
     assert first.drafter is None and later.drafter is None
 
 
+def test_a_guess_a_lookup_tree_held_counts_as_right() -> None:
+    """With trees on, a free check counts the step a hit where another earlier match (a
+    first-layer branch) guessed the token though the chain's guess missed: the tree would
+    have kept it. Not so where no branch held it (negative control)."""
+    ctx = [1, 2, 3, 9, 1, 2]
+
+    def later(branched: bool) -> Choice:
+        policy = DraftPolicy("auto", ("ngram",), COSTS, ngram_match=ngram_match)
+        for _ in range(12):
+            policy.choose(ctx)
+            assert policy.observe(4, branched) is False  # the chain's guess was 3
+        return policy.choose(ctx)
+
+    assert later(True).drafter == "ngram"
+    assert later(False).drafter is None
+
+
 def test_a_failing_drafter_falls_back_to_plain_steps_then_probes() -> None:
     policy = DraftPolicy("model", ("model",), COSTS)
     choices = []
