@@ -323,8 +323,11 @@ def test_a_model_without_chat_template_is_a_short_note_beside_the_banner(
     config = json.loads((folder / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    gui = make_gui(plain_settings(folder))
-    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    from engine.tokenizer import ChatTemplateWarning
+
+    with pytest.warns(ChatTemplateWarning, match="has no chat template"):  # said once, here
+        gui = make_gui(plain_settings(folder))
+        qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
     gui.window.resize(1100, 700)
     status = gui.window.settings_panel.model_status
     qtbot.waitUntil(lambda: status.text().startswith("plain · "), timeout=TIMEOUT)
