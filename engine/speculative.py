@@ -227,14 +227,16 @@ def speculative_steps(
             pending = None
             branched = held_by_tree(context, token)
             guessed = policy.observe(token, branched)
-            # A model's choice stands, and so does prompt lookup's when it guessed this token
-            # right (the copy is on: its next tokens are the draft the wait was paid for).
+            # A model's choice stands (lookup's guess says nothing of it: with one-token
+            # matches lookup guesses at almost every step), and so does prompt lookup's
+            # when it guessed this token right (the copy is on: its next tokens are the
+            # draft the wait was paid for).
             # A wrong guess says the text is not being copied here: no fresh gamble — except
             # for a cost probe, which is there to time a wide pass: it drafts afresh, and
             # with trees on, where another earlier match (the lookup tree's first layer)
             # guessed it: the copy goes on from there, at the policy's fresh choice.
             carried = choice
-            if guessed is False and not choice.probe:
+            if guessed is False and not choice.probe and choice.drafter == "ngram":
                 carried = None if branched else Choice(None, 0)
             context.append(token)
             yield RawStep([token], [TokenKind.TARGET], [prob],

@@ -459,3 +459,20 @@ def test_a_plain_step_tells_the_policy_when_the_lookup_tree_held_its_token(
               policy, tree=tree)
     assert len(policy.branched) >= N_TOKENS - 1
     assert set(policy.branched) == {told}
+
+
+def test_a_wrong_lookup_guess_leaves_a_model_drafters_choice_standing(
+        target: LoadedModel) -> None:
+    """Prompt lookup guesses at almost every step (a one-token match is a match), so its
+    wrong guess of the pending token must cancel only its own draft: a model drafter's
+    choice was made for its own guess and stands (it was dropped, and with it most of a
+    trained head's drafts in chat)."""
+    model, sampling = target.model, SamplingParams(temperature=0.0)
+    plain, _ = run_steps(model, sampling)
+    spec, steps = run_steps(model, sampling, {"bad": BadTrees((5, 6, 7), (-1, 0, 1))},
+                            WrongGuesses("bad"))
+    assert spec == plain
+    assert sum(s.n_drafted > 0 for s in steps) >= len(steps) // 3
+    # negative control: the same wrong guesses cancel prompt lookup's own drafts
+    spec, steps = run_steps(model, sampling, {"ngram": Continues(False)}, WrongGuesses())
+    assert spec == plain and not any(s.n_drafted for s in steps)
