@@ -107,6 +107,7 @@ def test_the_app_reopens_on_the_model_last_used(tiny_pair, tmp_path) -> None:
     fallen_back = open_app(tmp_path)
     assert fallen_back["opened"] == "demo"
     assert fallen_back["banner"].startswith(f"Could not load model '{model}': ")
+    assert fallen_back["banner"].count(str(model)) == 1
     assert fallen_back["banner"].endswith("— opening 'demo' instead.")
 
 
@@ -137,7 +138,9 @@ def test_a_model_that_fails_to_load_leaves_the_one_in_use(qtbot, make_gui, tiny_
 
     choose_folder(monkeypatch, panel.target_combo, bad)
     qtbot.waitUntil(lambda: "Could not load model" in window.banner.text, timeout=TIMEOUT)
-    assert "config.json" in window.banner.text
+    # the model's path is named once, the broken file from its folder
+    assert window.banner.text.startswith(f"Could not load model '{bad}': config.json: ")
+    assert window.banner.text.count(str(bad)) == 1
     assert window.banner.text.endswith("— still using tiny-target.")
     assert gui.controller.settings.target == str(target)
     assert panel.target_combo.currentData() == str(target)
