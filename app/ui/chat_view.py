@@ -190,9 +190,18 @@ class TokenBrowser(QTextBrowser):
     def _on_anchor_clicked(self, url: QUrl) -> None:
         if url.scheme() == COPY_SCHEME:
             index = int(url.path() or "-1")
-            if 0 <= index < len(self.code_blocks):
-                QGuiApplication.clipboard().setText(self.code_blocks[index])
+            code = self.code_block(index)
+            if code is not None:
+                QGuiApplication.clipboard().setText(code)
                 self.code_copied.emit()
+
+    def code_block(self, index: int) -> str | None:
+        """What code block `index`'s Copy link copies: with the tokens coloured, the
+        block's committed code as the writer followed it (the reply may still stream)."""
+        if self._writer is not None:
+            fences = self._writer.fences
+            return fences.code(index) if 0 <= index < len(fences.blocks) else None
+        return self.code_blocks[index] if 0 <= index < len(self.code_blocks) else None
 
 
 def selected_text(cursor: QTextCursor) -> str:

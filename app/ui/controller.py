@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
 
@@ -104,6 +105,25 @@ def sent_to_model(message: Message) -> bool:
     failed before its first token has nothing to say)."""
     return bool(message.content) or message.role == "user"
 
+
+
+def load_failure_text(spec: str, message: str) -> str:
+    """The banner's words for a model that would not load. The engine's error names the
+    file it is about (".../config.json: not found"); inside the model's folder that file
+    is named from the folder, and one not found is not named again, so the banner names
+    the model's path once."""
+    if message.startswith(f"model {spec!r} "):  # "model '/x' not found: no folder at /x; …"
+        message = message[len(f"model {spec!r} "):].replace(
+            f"no folder at {Path(spec).expanduser()}", "no such folder", 1)
+    for folder in dict.fromkeys((spec, str(Path(spec).expanduser().resolve()))):
+        folder = folder.rstrip("/")
+        if folder and message.startswith(f"{folder}/"):
+            message = message[len(folder) + 1:]
+            break
+        if folder and message.startswith(f"{folder}:"):
+            message = message[len(folder) + 1:].lstrip()
+            break
+    return f"Could not load model {spec!r}: {message}"
 
 class ChatController(QObject):
     conversations_changed = Signal()
@@ -556,7 +576,7 @@ class ChatController(QObject):
         self.model_load_failed.emit(spec, message)
         if spec != self.settings.target:
             return
-        said = f"Could not load model {spec!r}: {message}"
+        said = load_failure_text(spec, message)
         if self.model is not None and self.model.spec != spec:
             previous, said = self.model.spec, f"{said} — still using {self.model.name}."
         elif self.fallback_target not in (None, spec):

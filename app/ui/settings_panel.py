@@ -3,7 +3,8 @@
 Every edit becomes a new `ChatSettings` handed to the controller; the next reply uses it and
 stores it with the message. Draft models the target cannot use stay listed but disabled,
 with the reason on hover. Both pickers end with "Choose a folder…", for a model folder
-anywhere on disk.
+anywhere on disk; a draft folder chosen there that cannot draft for the target (the
+tokenizer check a reply makes, from its tokenizer files) is refused there and then.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.hub.model_choices import available_models, draft_incompatibility
+from app.hub.model_choices import ModelChoice, available_models, draft_incompatibility
 from app.ui.controller import ChatController
 from app.ui.worker import DRAFTER_MODES, REPEAT_PENALTY_RANGE, ChatSettings, ModelInfo
 from engine.choices import ACCEPT_RULES, TREE_MODES
@@ -57,6 +58,7 @@ TREE_HELP = {
 }
 NO_DRAFT = "(no draft model)"
 CANNOT_DRAFT = "Cannot draft for this target: "
+DRAFT_MODEL_HELP = "The model that drafts for the model and auto drafters"
 CHOOSE_FOLDER = "Choose a folder…"
 CHOOSE = "\x00choose-folder"  # the item data of CHOOSE_FOLDER, never a model spec
 
@@ -68,6 +70,7 @@ class SettingsPanel(QWidget):
         super().__init__(parent)
         self.controller = controller
         self._target_path: Path | None = None
+        self._target_note = ("", "")  # the status row's text and tooltip for the target
         self._updating = False
 
         self.target_combo = QComboBox()
@@ -133,7 +136,7 @@ class SettingsPanel(QWidget):
             # Long model names must not widen the panel; the full name is in the tooltip.
             combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
             combo.setMinimumContentsLength(8)
-        self.draft_combo.setToolTip("The model that drafts for the model and auto drafters")
+        self.draft_combo.setToolTip(DRAFT_MODEL_HELP)
         k_row = QHBoxLayout()
         k_row.setContentsMargins(0, 0, 0, 0)
         k_row.addWidget(self.k_auto)
@@ -305,6 +308,9 @@ class SettingsPanel(QWidget):
         reason = self.draft_reason(draft) if draft and draft != CHOOSE else NO_DRAFT_HELP
         item = self.drafter_combo.model().item(self.drafter_combo.findData("model"))
         item.setEnabled(reason is None)
+        # a draft chosen earlier (a restored setting) that cannot draft says so on hover
+        refused = reason is not None and reason.startswith(CANNOT_DRAFT)
+        self.draft_combo.setToolTip(reason if refused else DRAFT_MODEL_HELP)
         if reason is None:
             item.setToolTip(DRAFTER_HELP["model"])
         elif reason == NO_DRAFT_HELP:
@@ -341,6 +347,17 @@ class SettingsPanel(QWidget):
         if not (Path(chosen) / "config.json").is_file():
             self.model_status.setText(f"{chosen}: not a model folder (it has no config.json)")
             return None
+        if role == "draft" and self._target_path is not None:
+            # the tokenizer check a reply would make (tokenizer files only, no weights), so
+            # a draft that cannot draft is refused here, not when a message is sent
+            reason = draft_incompatibility(
+                self._target_path, ModelChoice(chosen, Path(chosen).name, Path(chosen)))
+            if reason:  # the row has room for a line or two: the reasons go on hover
+                self.model_status.setText(f"{Path(chosen).name} cannot draft for this target")
+                self.model_status.setToolTip(f"{CANNOT_DRAFT}{reason}")
+                return None
+            self.model_status.setText(self._target_note[0])  # a refusal said before is over
+            self.model_status.setToolTip(self._target_note[1])
         current = self.controller.settings
         self.controller.set_settings(replace(current, target=chosen) if role == "target"
                                      else replace(current, draft=chosen))
@@ -379,6 +396,7 @@ class SettingsPanel(QWidget):
             note += "\nNo chat template"
         self.model_status.setText(note)
         self.model_status.setToolTip(info.template_warning or "")
+        self._target_note = (note, info.template_warning or "")
         self._updating = True
         try:
             self._fill_targets(info.spec)

@@ -7,7 +7,8 @@ Two renderings of the same reply:
   placed them: right after the committed token their branch hangs from), each with a
   tooltip naming its kind, the target's probability and a ghost's branch; a thin bar parts
   two neighbouring ghosts of different branches. Tokens inside a fenced code block keep
-  their colours in a monospace font. A step that fell back to a plain step
+  their colours in a monospace font, and each block's opening fence line ends with a Copy
+  link that copies the block's committed code (no ghosts, no fences). A step that fell back to a plain step
   (`Step.error`) is underlined in amber with the reason in its tooltip; the first step of a
   reply with each reason also gets a warning marker (a drafter that keeps failing would
   otherwise litter the reply with them);
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import html
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from markdown_it import MarkdownIt
 from pygments import highlight
@@ -175,7 +176,8 @@ def _is_fence(line: str) -> bool:
 
 class FenceTracker:
     """Follows the committed text token by token and says which tokens are code: those
-    inside a fenced block, and the fence lines themselves.
+    inside a fenced block, and the fence lines themselves. It also keeps each block's
+    committed code (what its Copy link copies: no fences, no rejected guesses).
 
     Tokens do not respect lines, so a token is code when the text is in code just before
     or just after it; token boundaries at a line break (the usual case) keep the words
@@ -184,25 +186,54 @@ class FenceTracker:
 
     def __init__(self) -> None:
         self.fence = ""  # the open fence's marker ("```" or "~~~"), "" outside a block
-        self.line = ""  # the text of the line being written
+        self.line = ""  # the text of the line being written (its start: enough for a fence)
+        self.blocks: list[str] = []  # each block's code lines ended so far
+        self._code = ""  # the open block's line being written, in full
+        self.opened_at = -1  # where in the last text fed an opening fence's line ended
 
     def in_code(self) -> bool:
         return bool(self.fence) or _is_fence(self.line)
 
+    def code(self, index: int) -> str:
+        """Block `index`'s code so far (a block still streaming: with its unfinished line)."""
+        if not 0 <= index < len(self.blocks):
+            return ""
+        partial = self._code if self.fence and index == len(self.blocks) - 1 else ""
+        return self.blocks[index] + partial
+
     def feed(self, text: str) -> bool:
-        """Add committed text; True if it belongs to code."""
+        """Add committed text; True if it belongs to code. `opened_at` says at which
+        character of `text` (its newline) a block's opening fence line ended, else -1."""
         before = self.in_code()
-        *ended, current = (self.line + text).split("\n")
-        self.line = current[:80]  # a fence shows in a line's start; a long line costs nothing
-        for line in ended:
-            if not _is_fence(line):
-                continue
-            marker = line.strip()[:3]
-            if not self.fence:
-                self.fence = marker
-            elif marker == self.fence and line.strip().strip(marker[0]) == "":
-                self.fence = ""  # a closing fence: only the marker's characters
+        self.opened_at = -1
+        *ended, current = text.split("\n")
+        offset = 0
+        for part in ended:
+            offset += len(part) + 1
+            line, code_line = self.line + part, self._code + part
+            self.line = self._code = ""
+            if _is_fence(line):
+                marker = line.strip()[:3]
+                if not self.fence:
+                    self.fence = marker
+                    self.blocks.append("")
+                    self.opened_at = offset - 1
+                    continue
+                if marker == self.fence and line.strip().strip(marker[0]) == "":
+                    self.fence = ""  # a closing fence: only the marker's characters
+                    continue
+            if self.fence:
+                self.blocks[-1] += code_line + "\n"
+        self.line = (self.line + current)[:80]  # a long line costs nothing
+        if self.fence:
+            self._code += current
         return before or self.in_code()
+
+
+def copy_link(index: int) -> str:
+    """The Copy link at the end of a code block's opening fence line (coloured mode)."""
+    return (f'<a href="{COPY_SCHEME}:{index}" style="text-decoration:none">&nbsp;&nbsp;</a>'
+            f'<a href="{COPY_SCHEME}:{index}" style="font-size:small">Copy</a>')
 
 
 class TokensHtml:
@@ -237,6 +268,12 @@ class TokensHtml:
                 code = self.fences.in_code()  # a ghost is not part of the text
             else:
                 code = self.fences.feed(token.text)
+                at = self.fences.opened_at
+                if at >= 0:  # a block opened: its Copy link ends the fence's line
+                    head, tail = token.text[:at], token.text[at:]
+                    out.append(token_span(replace(token, text=head), dark, step.error, code))
+                    out.append(copy_link(len(self.fences.blocks) - 1))
+                    token = replace(token, text=tail)
             out.append(token_span(token, dark, step.error, code))
             previous = token
         return "".join(out)

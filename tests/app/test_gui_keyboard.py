@@ -13,6 +13,7 @@ from app.store import STOPPED
 from app.ui.chat_view import TokenBrowser
 from app.ui.theme import apply_theme
 from app.ui.token_render import user_message_html
+from engine.events import Step, Token, TokenKind
 from tests.app.test_gui import TIMEOUT, plain_settings, send_by_keyboard, spec_settings, wait_idle
 from tests.app.test_tree_gui import STEPS, TEXT
 
@@ -52,6 +53,67 @@ def test_copying_a_message_with_code_leaves_out_the_code_blocks_label_and_link(q
     assert "Copy" in browser.document().toPlainText()
     # the code stands on lines of its own, as it was typed
     assert copy_all(browser) == "Fix this:\n\ndef f(x):\n    return x + 1\n\nplease"
+
+
+def code_links(browser: TokenBrowser) -> list[tuple[str, int]]:
+    """Each "Copy" link in the box: its target and where its text starts."""
+    links = []
+    block = browser.document().begin()
+    while block.isValid():
+        it = block.begin()
+        while not it.atEnd():
+            frag = it.fragment()
+            if frag.charFormat().anchorHref() and frag.text() == "Copy":
+                links.append((frag.charFormat().anchorHref(), frag.position()))
+            it += 1
+        block = block.next()
+    return links
+
+
+def click_at(qtbot, browser: TokenBrowser, position: int) -> None:
+    cursor = QTextCursor(browser.document())
+    cursor.setPosition(position + 1)
+    point = browser.cursorRect(cursor).center()
+    qtbot.mouseClick(browser.viewport(), Qt.MouseButton.LeftButton, pos=point)
+
+
+def test_code_blocks_in_the_coloured_reply_have_a_copy_link_that_copies_the_code_alone(
+        qtbot, screenshots_dir) -> None:
+    def tok(i: int, text: str, kind: TokenKind = TokenKind.ACCEPTED) -> Token:
+        return Token(i, text, kind, 0.5)
+
+    rejected = TokenKind.REJECTED
+    steps = [
+        Step((tok(1, "Try:\n```"), tok(2, "py"), tok(3, "thon\ndef"))),  # a fence line ends mid-token
+        Step((tok(4, " f():"), tok(5, " bad", rejected), tok(6, "\n    return"),
+              tok(7, " 1\n"))),
+        Step((tok(8, "```\nand\n~~~\n"), tok(9, "x = 2"))),  # the second block still open
+    ]
+    browser = TokenBrowser()
+    qtbot.addWidget(browser)
+    browser.resize(560, 60)
+    browser.show()
+    browser.show_reply(steps[:2], "", speculation=True, show_rejected=True, dark=False)
+    links = code_links(browser)
+    assert [href for href, _ in links] == ["copy-code:0"]
+    click_at(qtbot, browser, links[0][1])  # a block still streaming copies what it has
+    assert QGuiApplication.clipboard().text() == "def f():\n    return 1\n"
+
+    browser.show_reply(steps, "", speculation=True, show_rejected=True, dark=False)  # streams on
+    assert "bad" in browser.document().toPlainText()  # the ghost is shown, never copied
+    links = code_links(browser)
+    assert [href for href, _ in links] == ["copy-code:0", "copy-code:1"]
+    with qtbot.waitSignal(browser.code_copied):
+        click_at(qtbot, browser, links[0][1])
+    assert QGuiApplication.clipboard().text() == "def f():\n    return 1\n"
+    click_at(qtbot, browser, links[1][1])
+    assert QGuiApplication.clipboard().text() == "x = 2"
+    browser.grab().save(str(screenshots_dir / "coloured_code_copy.png"))
+    # the link ends the fence's line, and a selection copied leaves it out
+    plain = browser.document().toPlainText()
+    assert "```python  Copy\ndef f():" in plain
+    assert copy_all(browser) == "".join(t.text for s in steps for t in s.tokens
+                                        if t.kind is not rejected)
 
 
 def test_escape_stops_the_reply_and_up_edits_the_last_message(qtbot, make_gui, tiny_pair) -> None:

@@ -107,6 +107,7 @@ def test_the_app_reopens_on_the_model_last_used(tiny_pair, tmp_path) -> None:
     fallen_back = open_app(tmp_path)
     assert fallen_back["opened"] == "demo"
     assert fallen_back["banner"].startswith(f"Could not load model '{model}': ")
+    assert fallen_back["banner"].count(str(model)) == 1
     assert fallen_back["banner"].endswith("— opening 'demo' instead.")
 
 
@@ -137,7 +138,9 @@ def test_a_model_that_fails_to_load_leaves_the_one_in_use(qtbot, make_gui, tiny_
 
     choose_folder(monkeypatch, panel.target_combo, bad)
     qtbot.waitUntil(lambda: "Could not load model" in window.banner.text, timeout=TIMEOUT)
-    assert "config.json" in window.banner.text
+    # the model's path is named once, the broken file from its folder
+    assert window.banner.text.startswith(f"Could not load model '{bad}': config.json: ")
+    assert window.banner.text.count(str(bad)) == 1
     assert window.banner.text.endswith("— still using tiny-target.")
     assert gui.controller.settings.target == str(target)
     assert panel.target_combo.currentData() == str(target)
@@ -261,7 +264,10 @@ def test_model_drafter_needs_a_usable_draft_model(qtbot, make_gui, tiny_pair, tm
     assert model_entry().isEnabled()
 
     choose_folder(monkeypatch, panel.draft_combo, target)  # the target cannot draft for itself
-    qtbot.waitUntil(lambda: gui.controller.settings.draft == str(target), timeout=TIMEOUT)
+    qtbot.waitUntil(lambda: "target model itself" in panel.model_status.toolTip(),
+                    timeout=TIMEOUT)
+    assert gui.controller.settings.draft == str(draft)  # refused: the draft chosen before stays
+    gui.controller.set_settings(replace(gui.controller.settings, draft=str(target)))  # restored
     assert not model_entry().isEnabled()
     assert "target model itself" in model_entry().toolTip()
 
@@ -286,19 +292,25 @@ def test_a_failed_reply_leaves_no_two_user_turns_in_a_row(qtbot, make_gui, tiny_
     assert roles == ["user", "user", "assistant"]
 
 
-def test_a_draft_with_another_tokenizer_is_refused_and_never_said_ready(
-        qtbot, make_gui, tiny_pair, tmp_path) -> None:
-    """The draft was loaded whole and the panel said "Draft … ready" beside the banner saying
-    it cannot draft; it is now refused from its tokenizer files, before its weights."""
+def swapped_tokenizer_draft(tmp_path: Path) -> Path:
+    """A tiny draft whose tokenizer maps two ids to each other's strings."""
     from tests.fixtures.tiny_models import write_tiny_model
 
-    target = tiny_pair[0]
     swapped = write_tiny_model(tmp_path / "swapped-draft", hidden_size=32, seed=3)
     tok = json.loads((swapped / "tokenizer.json").read_text())
     vocab = tok["model"]["vocab"]
     a, b = (k for k, i in vocab.items() if i in (100, 101))
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
+    return swapped
+
+
+def test_a_draft_with_another_tokenizer_is_refused_and_never_said_ready(
+        qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    """The draft was loaded whole and the panel said "Draft … ready" beside the banner saying
+    it cannot draft; it is now refused from its tokenizer files, before its weights."""
+    target = tiny_pair[0]
+    swapped = swapped_tokenizer_draft(tmp_path)
     gui = make_gui(replace(plain_settings(target), drafter="model", draft=str(swapped)))
     qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
     loading: list[str] = []
@@ -341,3 +353,35 @@ def test_a_model_without_chat_template_is_a_short_note_beside_the_banner(
     qtbot.waitUntil(lambda: status.height() >= status.heightForWidth(status.width()),
                     timeout=3000)
     gui.window.grab().save(str(screenshots_dir / "model_without_chat_template.png"))
+
+
+def test_the_draft_picker_refuses_a_folder_whose_tokenizer_differs_before_a_message(
+        qtbot, make_gui, tiny_pair, tmp_path, monkeypatch, screenshots_dir) -> None:
+    """Choose a folder… took any draft; its tokenizer was only checked once a message was
+    sent. Now the picker checks it (tokenizer files only) and says why it cannot draft, and
+    a draft restored from earlier settings says so on hover."""
+    target = tiny_pair[0]
+    swapped = swapped_tokenizer_draft(tmp_path)
+    gui = make_gui(plain_settings(target))
+    qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
+    panel = gui.window.settings_panel
+
+    choose_folder(monkeypatch, panel.draft_combo, swapped)
+    qtbot.waitUntil(lambda: "cannot draft" in panel.model_status.text(), timeout=TIMEOUT)
+    assert panel.model_status.text() == "swapped-draft cannot draft for this target"
+    assert panel.model_status.toolTip().startswith("Cannot draft for this target: ")
+    assert "2 token ids map to different strings" in panel.model_status.toolTip()
+    assert gui.controller.settings.draft is None
+    assert panel.draft_combo.currentData() is None
+    gui.window.grab().save(str(screenshots_dir / "draft_refused_in_picker.png"))
+
+    choose_folder(monkeypatch, panel.draft_combo, tiny_pair[1])  # a draft that pairs is taken
+    qtbot.waitUntil(lambda: gui.controller.settings.draft == str(tiny_pair[1]), timeout=TIMEOUT)
+    assert panel.draft_combo.toolTip() == "The model that drafts for the model and auto drafters"
+    assert panel.model_status.text().startswith("tiny-target · ")  # the refusal is over
+    assert panel.model_status.toolTip() == ""
+
+    gui.controller.set_settings(replace(gui.controller.settings, draft=str(swapped)))
+    assert panel.draft_combo.toolTip().startswith("Cannot draft for this target: ")
+    assert "2 token ids map to different strings" in panel.draft_combo.toolTip()
+    assert not panel.drafter_combo.model().item(panel.drafter_combo.findData("model")).isEnabled()

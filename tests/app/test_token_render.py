@@ -148,7 +148,9 @@ def test_speculation_shows_fenced_code_in_monospace_keeping_colours(qapp) -> Non
     steps = code_steps(text)
     steps = steps[:5] + (ghost,) + steps[5:]  # a ghost inside the block, after "x = 1"
     doc = doc_of(wrap_pre(tokens_html(steps)))
-    assert doc.toPlainText().replace("z", "") == text
+    shown = doc.toPlainText().replace("z", "")
+    assert shown.count("  Copy\n") == 2  # each opening fence's line ends with a Copy link
+    assert shown.replace("  Copy", "") == text
     fmts = formats_by_text(doc)
     assert not is_mono(fmts["Here:"]) and not is_mono(fmts["Done."]) and not is_mono(fmts["End"])
     for code in ("```python", "x = 1", "z", "```", "y", "~~~"):
