@@ -413,16 +413,29 @@ CHAT_HELP = f"""commands:
 Ctrl-C stops a reply as it is written; what it wrote stays (/continue goes on from it)."""
 
 
-def _read_message() -> tuple[str, bool]:
+def _reads_a_terminal() -> bool:
+    """Whether to prompt: piped input (a script, a file) gets no "you> " or "... " in the
+    output, as Python's REPL and sqlite3 do, so stdout holds only the replies."""
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _read_message(prompts: bool = True) -> tuple[str, bool]:
     """One message from the terminal and whether it is literal text: a line, or the lines
     between two lines holding just triple quotes (literal: never a command), so pasted
-    code keeps its blank lines instead of becoming many turns."""
-    line = input("you> ")
+    code keeps its blank lines instead of becoming many turns. The end of input closes an
+    open block, so piped text whose closing quotes are missing is still sent, not lost."""
+    line = input("you> " if prompts else "")
     if line.strip() != FENCE:
         return line, False
     lines: list[str] = []
-    while (more := input("... ")).strip() != FENCE:
-        lines.append(more)
+    try:
+        while (more := input("... " if prompts else "")).strip() != FENCE:
+            lines.append(more)
+    except EOFError:
+        if not "".join(lines).strip():
+            raise
+        if prompts:
+            print(file=sys.stderr)  # Ctrl-D leaves the cursor after "... "
     return "\n".join(lines), True
 
 
@@ -455,11 +468,13 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
               f"(--seed {seed} repeats this chat)", file=sys.stderr)
     from engine.errors import EngineError
 
+    prompts = _reads_a_terminal()
     while True:
         try:
-            line, literal = _read_message()
+            line, literal = _read_message(prompts)
         except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
+            if prompts:
+                print(file=sys.stderr)  # end the prompt's line
             return 0
         if not line.strip():
             continue
@@ -497,7 +512,8 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
         except EngineError as e:
             if not going_on:
                 messages.pop()
-            print(f"\nerror: {e}", file=sys.stderr)
+            sys.stdout.write("\n")  # the reply's line ends in stdout, which a script reads
+            print(f"error: {e}", file=sys.stderr)
             continue
         except KeyboardInterrupt:
             # what was written stays, as Stop keeps it in the app: /continue goes on from it
@@ -509,8 +525,9 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
                 messages.append({"role": "assistant", "content": partial})
             else:
                 messages.pop()
-            print("\n[stopped: /continue goes on from here]" if partial.strip() else
-                  "\n[stopped]", file=sys.stderr)
+            sys.stdout.write("\n")
+            print("[stopped: /continue goes on from here]" if partial.strip() else
+                  "[stopped]", file=sys.stderr)
             continue
         s = finished.stats
         sys.stdout.write("\n")
