@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -419,6 +419,15 @@ def _reads_a_terminal() -> bool:
     return sys.stdin is not None and sys.stdin.isatty()
 
 
+def _line_editing() -> None:
+    """Line editing for input() at a terminal. Without it the kernel's line discipline reads
+    the line: arrow keys land in the message as escape codes ("^[[D") and a pasted line
+    is cut at 4,095 characters without a word; readline reads it raw, with no limit, and
+    gives history (Up) too. Absent on some platforms (Windows): the plain line stays."""
+    with suppress(ImportError):
+        import readline  # noqa: F401  (importing it is what hooks input())
+
+
 def _read_message(prompts: bool = True) -> tuple[str, bool]:
     """One message from the terminal and whether it is literal text: a line, or the lines
     between two lines holding just triple quotes (literal: never a command), so pasted
@@ -469,6 +478,8 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
     from engine.errors import EngineError
 
     prompts = _reads_a_terminal()
+    if prompts:
+        _line_editing()
     while True:
         try:
             line, literal = _read_message(prompts)

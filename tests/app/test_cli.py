@@ -522,6 +522,45 @@ def test_chat_on_a_terminal_still_prompts(chain: Path, tmp_path: Path) -> None:
     assert out == f"you> ... ... assistant> {CHAIN_TEXT}\nyou> "
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_chat_at_a_terminal_edits_lines_and_takes_long_ones(chain: Path, tmp_path: Path) -> None:
+    """At a terminal the line is read with line editing: a pasted 5,000-character line
+    arrives whole (the kernel's own line reading cut it at 4,095 without a word) and the
+    arrow keys move the cursor ("/ye", Left, Left, "b" is /bye) instead of landing in the
+    message as escape codes."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "chat", "--model", str(chain)], cwd=REPO,
+        env={**os.environ, "UNDERSTUDY_DATA_DIR": str(tmp_path), "TERM": "xterm"},
+        stdin=follower, stdout=follower, stderr=subprocess.PIPE, text=True)
+    os.close(follower)
+    shown, sent = b"", False
+    deadline = time.monotonic() + 60
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.1)[0]:
+                try:
+                    shown += os.read(leader, 65536)
+                except OSError:  # the chat closed the terminal: it has quit
+                    break
+            if not sent and b"you> " in shown:  # readline holds the terminal from here
+                # then Ctrl-D, which ends a chat that took "/ye^[[D^[[Db" as a typo
+                os.write(leader, b"/" + b"x" * 5000 + b"\n/ye\x1b[D\x1b[Db\n\x04")
+                sent = True
+        _, err = proc.communicate(timeout=10)
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    refused = [ln for ln in err.splitlines() if ln.startswith("unknown command")]
+    assert refused == [f"unknown command /{'x' * 5000}, see /help (to send it as a message, "
+                       f"write //{'x' * 5000})"]
+
+
 def test_chat_continue_finishes_a_reply_cut_at_max_tokens(chain: Path, tmp_path: Path) -> None:
     """The chain model's reply cut at 4 tokens; /continue writes the rest, so the two parts
     make the whole reply (the echo of where it goes on from, then the new text). /continue
