@@ -410,7 +410,8 @@ CHAT_HELP = f"""commands:
   //word              send "/word" as a message (a line of one /word is read as a command)
   {FENCE}                 on a line of its own, starts a message of several lines (pasted
                       code, blank lines and all); another {FENCE} line ends it
-Ctrl-C stops a reply as it is written; what it wrote stays (/continue goes on from it)."""
+Ctrl-C stops a reply as it is written; what it wrote stays (/continue goes on from it).
+At the prompt, Ctrl-C drops what you were typing (a {FENCE} block too)."""
 
 
 def _reads_a_terminal() -> bool:
@@ -483,7 +484,14 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
     while True:
         try:
             line, literal = _read_message(prompts)
-        except (EOFError, KeyboardInterrupt):
+        except KeyboardInterrupt:
+            if not prompts:
+                return 0
+            # what was being typed goes, as in a shell or Python's REPL; the chat stays (a
+            # Ctrl-C meant to stop a reply that had just ended no longer loses it)
+            print(file=sys.stderr)
+            continue
+        except EOFError:
             if prompts:
                 print(file=sys.stderr)  # end the prompt's line
             return 0

@@ -629,6 +629,36 @@ def test_chat_ctrl_c_keeps_what_was_written_for_continue(
     # (before, Ctrl-C dropped the turn, and /continue said "nothing to continue")
 
 
+class TypedAtTerminal(io.StringIO):
+    """Lines as typed at a terminal (so chat prompts), where a line "^C" is Ctrl-C pressed
+    at the prompt: a real SIGINT lands wherever the process happens to be, this lands in
+    the read every run."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def readline(self, size: int | None = -1) -> str:
+        line = super().readline(size)
+        if line == "^C\n":
+            raise KeyboardInterrupt
+        return line
+
+
+def test_chat_ctrl_c_at_the_prompt_drops_the_line_not_the_chat(
+        chain: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C at the prompt drops what was being typed (a half-typed triple-quoted block
+    too) and asks again, as a shell or Python's REPL does; before, it quit the chat, so a
+    Ctrl-C meant for a reply that had just ended lost the conversation. Ctrl-D quits."""
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr("sys.stdin", TypedAtTerminal('Hi\n^C\n"""\nhalf a block\n^C\nAgain\n'))
+    assert main(["chat", "--model", str(chain)]) == 0
+    out, err = capsys.readouterr()
+    reply = f"assistant> {CHAIN_TEXT}\n"
+    assert out == f"you> {reply}you> you> ... ... you> {reply}you> "
+    assert len([ln for ln in err.splitlines() if ln.startswith("[")]) == 2
+
+
 def test_chat_goes_on_past_the_context_window(tiny: Path, tmp_path: Path) -> None:
     """The model's window cut to 512 tokens: twelve turns of ~160 tokens each all get a
     reply, the later ones saying how many early messages they left out."""
