@@ -7,6 +7,7 @@ with the fast BLAS preloaded; an `EngineError` is printed in one line and exits 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -252,6 +253,7 @@ def _prompt_text(args: argparse.Namespace) -> str:
     text = args.prompt if args.prompt is not None else getattr(args, "text", None)
     if text is not None:
         return text
+    _lenient_stdin()
     piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     if piped.strip():
         return piped
@@ -414,6 +416,14 @@ Ctrl-C stops a reply as it is written; what it wrote stays (/continue goes on fr
 At the prompt, Ctrl-C drops what you were typing (a {FENCE} block too)."""
 
 
+def _lenient_stdin() -> None:
+    """Bytes that are not UTF-8 in what is typed or piped in (a Latin-1 file, say) read as
+    U+FFFD: strict decoding stopped with a traceback, and the C locale's surrogate escapes
+    crashed the tokenizer with one."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")
+
+
 def _reads_a_terminal() -> bool:
     """Whether to prompt: piped input (a script, a file) gets no "you> " or "... " in the
     output, as Python's REPL and sqlite3 do, so stdout holds only the replies."""
@@ -478,6 +488,7 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
               f"(--seed {seed} repeats this chat)", file=sys.stderr)
     from engine.errors import EngineError
 
+    _lenient_stdin()
     prompts = _reads_a_terminal()
     if prompts:
         _line_editing()

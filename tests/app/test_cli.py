@@ -501,6 +501,23 @@ def test_piped_chat_prints_only_the_replies(chain: Path, tmp_path: Path) -> None
     assert (empty.returncode, empty.stdout) == (0, reply)
 
 
+@pytest.mark.parametrize("locale", ["C.UTF-8", "en_US.UTF-8"])
+def test_chat_and_generate_take_input_that_is_not_utf8(chain: Path, tmp_path: Path,
+                                                         locale: str) -> None:
+    """A Latin-1 "café" piped in: its stray byte reads as U+FFFD and the model answers,
+    where before a traceback came (UnicodeDecodeError under a strict UTF-8 locale; the C
+    locale's surrogate escape crashed the tokenizer)."""
+    env = {**os.environ, "UNDERSTUDY_DATA_DIR": str(tmp_path), "LC_ALL": locale,
+           "PYTHONIOENCODING": "" if locale == "C.UTF-8" else "utf-8:strict"}
+    for argv, expected in ((["chat"], f"assistant> {CHAIN_TEXT}\n".encode()),
+                           (["generate"], f"{CHAIN_TEXT}\n".encode())):
+        proc = subprocess.run([sys.executable, "-m", "app.cli", *argv, "--model", str(chain)],
+                              cwd=REPO, env=env, input=b"caf\xe9\n", capture_output=True,
+                              timeout=120)
+        assert b"Traceback" not in proc.stderr, proc.stderr.decode(errors="replace")
+        assert (proc.returncode, proc.stdout) == (0, expected)
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
 def test_chat_on_a_terminal_still_prompts(chain: Path, tmp_path: Path) -> None:
     """Typed at a terminal, chat asks with "you> " and "... " (Python writes input()'s
