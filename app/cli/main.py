@@ -7,10 +7,11 @@ with the fast BLAS preloaded; an `EngineError` is printed in one line and exits 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
-from contextlib import closing
+from contextlib import closing, suppress
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -252,6 +253,7 @@ def _prompt_text(args: argparse.Namespace) -> str:
     text = args.prompt if args.prompt is not None else getattr(args, "text", None)
     if text is not None:
         return text
+    _lenient_stdin()
     piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
     if piped.strip():
         return piped
@@ -410,19 +412,50 @@ CHAT_HELP = f"""commands:
   //word              send "/word" as a message (a line of one /word is read as a command)
   {FENCE}                 on a line of its own, starts a message of several lines (pasted
                       code, blank lines and all); another {FENCE} line ends it
-Ctrl-C stops a reply as it is written; what it wrote stays (/continue goes on from it)."""
+Ctrl-C stops a reply as it is written; what it wrote stays (/continue goes on from it).
+At the prompt, Ctrl-C drops what you were typing (a {FENCE} block too)."""
 
 
-def _read_message() -> tuple[str, bool]:
+def _lenient_stdin() -> None:
+    """Bytes that are not UTF-8 in what is typed or piped in (a Latin-1 file, say) read as
+    U+FFFD: strict decoding stopped with a traceback, and the C locale's surrogate escapes
+    crashed the tokenizer with one."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")
+
+
+def _reads_a_terminal() -> bool:
+    """Whether to prompt: piped input (a script, a file) gets no "you> " or "... " in the
+    output, as Python's REPL and sqlite3 do, so stdout holds only the replies."""
+    return sys.stdin is not None and sys.stdin.isatty()
+
+
+def _line_editing() -> None:
+    """Line editing for input() at a terminal. Without it the kernel's line discipline reads
+    the line: arrow keys land in the message as escape codes ("^[[D") and a pasted line
+    is cut at 4,095 characters without a word; readline reads it raw, with no limit, and
+    gives history (Up) too. Absent on some platforms (Windows): the plain line stays."""
+    with suppress(ImportError):
+        import readline  # noqa: F401  (importing it is what hooks input())
+
+
+def _read_message(prompts: bool = True) -> tuple[str, bool]:
     """One message from the terminal and whether it is literal text: a line, or the lines
     between two lines holding just triple quotes (literal: never a command), so pasted
-    code keeps its blank lines instead of becoming many turns."""
-    line = input("you> ")
+    code keeps its blank lines instead of becoming many turns. The end of input closes an
+    open block, so piped text whose closing quotes are missing is still sent, not lost."""
+    line = input("you> " if prompts else "")
     if line.strip() != FENCE:
         return line, False
     lines: list[str] = []
-    while (more := input("... ")).strip() != FENCE:
-        lines.append(more)
+    try:
+        while (more := input("... " if prompts else "")).strip() != FENCE:
+            lines.append(more)
+    except EOFError:
+        if not "".join(lines).strip():
+            raise
+        if prompts:
+            print(file=sys.stderr)  # Ctrl-D leaves the cursor after "... "
     return "\n".join(lines), True
 
 
@@ -455,11 +488,23 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
               f"(--seed {seed} repeats this chat)", file=sys.stderr)
     from engine.errors import EngineError
 
+    _lenient_stdin()
+    prompts = _reads_a_terminal()
+    if prompts:
+        _line_editing()
     while True:
         try:
-            line, literal = _read_message()
-        except (EOFError, KeyboardInterrupt):
+            line, literal = _read_message(prompts)
+        except KeyboardInterrupt:
+            if not prompts:
+                return 0
+            # what was being typed goes, as in a shell or Python's REPL; the chat stays (a
+            # Ctrl-C meant to stop a reply that had just ended no longer loses it)
             print(file=sys.stderr)
+            continue
+        except EOFError:
+            if prompts:
+                print(file=sys.stderr)  # end the prompt's line
             return 0
         if not line.strip():
             continue
@@ -497,7 +542,8 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
         except EngineError as e:
             if not going_on:
                 messages.pop()
-            print(f"\nerror: {e}", file=sys.stderr)
+            sys.stdout.write("\n")  # the reply's line ends in stdout, which a script reads
+            print(f"error: {e}", file=sys.stderr)
             continue
         except KeyboardInterrupt:
             # what was written stays, as Stop keeps it in the app: /continue goes on from it
@@ -509,8 +555,9 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
                 messages.append({"role": "assistant", "content": partial})
             else:
                 messages.pop()
-            print("\n[stopped: /continue goes on from here]" if partial.strip() else
-                  "\n[stopped]", file=sys.stderr)
+            sys.stdout.write("\n")
+            print("[stopped: /continue goes on from here]" if partial.strip() else
+                  "[stopped]", file=sys.stderr)
             continue
         s = finished.stats
         sys.stdout.write("\n")

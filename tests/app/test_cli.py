@@ -466,9 +466,10 @@ def test_chat_keeps_the_conversation(tiny: Path, tmp_path: Path,
     # the second turn read only its new tokens: the first turn's were still cached
     assert " · prompt " in stats[0] and "cached" not in stats[0]
     assert re.search(r" · prompt \d+\.\d\d s \([\d,]+ of [\d,]+ tokens cached\)\]$", stats[1])
-    assert proc.stdout.count("... ") == 4  # the block's three lines and its closing fence
-    assert proc.stdout.endswith("you> ")  # /bye: "never read" was never read
-    answers = [part.partition("\nyou> ")[0] for part in proc.stdout.split("assistant> ")[1:]]
+    # piped input: no prompts in stdout, each reply on a line of its own; /bye: "never
+    # read" was never read
+    answers = [part.removesuffix("\n") for part in proc.stdout.split("assistant> ")[1:]]
+    assert proc.stdout == "".join(f"assistant> {a}\n" for a in answers)
     assert len(answers) == 2
 
     convo: list[dict[str, str]] = []
@@ -482,6 +483,101 @@ def test_chat_keeps_the_conversation(tiny: Path, tmp_path: Path,
         convo.append({"role": "assistant", "content": answer})
 
 
+def test_piped_chat_prints_only_the_replies(chain: Path, tmp_path: Path) -> None:
+    """`printf 'Hello\\nline two\\n' | understudy chat`: no "you> " or "... " prompts in
+    stdout (as Python's REPL and sqlite3 with piped input), one reply a line; a line is
+    a message, a triple-quoted block one message, /help still answers (on stderr), and
+    the end of input quits cleanly, closing a block left open so its text is still sent."""
+    reply = f"assistant> {CHAIN_TEXT}\n"
+    proc = cli("chat", "--model", str(chain), data_dir=tmp_path,
+               stdin='Hello\nline two\n/help\n"""\nfirst\n\nsecond\n"""\n"""\nleft open\n')
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == reply * 4
+    assert "Traceback" not in proc.stderr and "you> " not in proc.stderr
+    assert "/continue           write on from the end of the last reply" in proc.stderr
+    assert len([ln for ln in proc.stderr.splitlines() if ln.startswith("[")]) == 4
+    # an empty block at the end is nothing to send
+    empty = cli("chat", "--model", str(chain), data_dir=tmp_path, stdin='Hi\n"""\n')
+    assert (empty.returncode, empty.stdout) == (0, reply)
+
+
+@pytest.mark.parametrize("locale", ["C.UTF-8", "en_US.UTF-8"])
+def test_chat_and_generate_take_input_that_is_not_utf8(chain: Path, tmp_path: Path,
+                                                         locale: str) -> None:
+    """A Latin-1 "café" piped in: its stray byte reads as U+FFFD and the model answers,
+    where before a traceback came (UnicodeDecodeError under a strict UTF-8 locale; the C
+    locale's surrogate escape crashed the tokenizer)."""
+    env = {**os.environ, "UNDERSTUDY_DATA_DIR": str(tmp_path), "LC_ALL": locale,
+           "PYTHONIOENCODING": "" if locale == "C.UTF-8" else "utf-8:strict"}
+    for argv, expected in ((["chat"], f"assistant> {CHAIN_TEXT}\n".encode()),
+                           (["generate"], f"{CHAIN_TEXT}\n".encode())):
+        proc = subprocess.run([sys.executable, "-m", "app.cli", *argv, "--model", str(chain)],
+                              cwd=REPO, env=env, input=b"caf\xe9\n", capture_output=True,
+                              timeout=120)
+        assert b"Traceback" not in proc.stderr, proc.stderr.decode(errors="replace")
+        assert (proc.returncode, proc.stdout) == (0, expected)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_chat_on_a_terminal_still_prompts(chain: Path, tmp_path: Path) -> None:
+    """Typed at a terminal, chat asks with "you> " and "... " (Python writes input()'s
+    prompt to stdout when stdout is not a terminal, so the pipe here sees it)."""
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "chat", "--model", str(chain)], cwd=REPO,
+            env={**os.environ, "UNDERSTUDY_DATA_DIR": str(tmp_path)}, stdin=follower,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        os.write(leader, b'"""\nHi\n"""\n/bye\n')
+        out, err = proc.communicate(timeout=120)
+    finally:
+        os.close(leader)
+        os.close(follower)
+    assert proc.returncode == 0, err
+    assert out == f"you> ... ... assistant> {CHAIN_TEXT}\nyou> "
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_chat_at_a_terminal_edits_lines_and_takes_long_ones(chain: Path, tmp_path: Path) -> None:
+    """At a terminal the line is read with line editing: a pasted 5,000-character line
+    arrives whole (the kernel's own line reading cut it at 4,095 without a word) and the
+    arrow keys move the cursor ("/ye", Left, Left, "b" is /bye) instead of landing in the
+    message as escape codes."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "chat", "--model", str(chain)], cwd=REPO,
+        env={**os.environ, "UNDERSTUDY_DATA_DIR": str(tmp_path), "TERM": "xterm"},
+        stdin=follower, stdout=follower, stderr=subprocess.PIPE, text=True)
+    os.close(follower)
+    shown, sent = b"", False
+    deadline = time.monotonic() + 60
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if select.select([leader], [], [], 0.1)[0]:
+                try:
+                    shown += os.read(leader, 65536)
+                except OSError:  # the chat closed the terminal: it has quit
+                    break
+            if not sent and b"you> " in shown:  # readline holds the terminal from here
+                # then Ctrl-D, which ends a chat that took "/ye^[[D^[[Db" as a typo
+                os.write(leader, b"/" + b"x" * 5000 + b"\n/ye\x1b[D\x1b[Db\n\x04")
+                sent = True
+        _, err = proc.communicate(timeout=10)
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    refused = [ln for ln in err.splitlines() if ln.startswith("unknown command")]
+    assert refused == [f"unknown command /{'x' * 5000}, see /help (to send it as a message, "
+                       f"write //{'x' * 5000})"]
+
+
 def test_chat_continue_finishes_a_reply_cut_at_max_tokens(chain: Path, tmp_path: Path) -> None:
     """The chain model's reply cut at 4 tokens; /continue writes the rest, so the two parts
     make the whole reply (the echo of where it goes on from, then the new text). /continue
@@ -490,10 +586,10 @@ def test_chat_continue_finishes_a_reply_cut_at_max_tokens(chain: Path, tmp_path:
                stdin="/continue\nHi\n" + "/continue\n" * 3 + "/bye\n")
     assert proc.returncode == 0, proc.stderr
     assert "nothing to continue" in proc.stderr
-    first = proc.stdout.split("assistant> ")[1].partition("\nyou> ")[0]
+    first = proc.stdout.split("assistant> ")[1].partition("\n")[0]
     # each continuation echoes the reply so far (all of it: under 60 characters), then
     # writes on; 4 tokens cut 🦊 (4 byte tokens) in two, so its cut mark went
-    parts = [p.partition("\nyou> ")[0]
+    parts = [p.partition("\n")[0]
              for p in proc.stdout.split("assistant (continued)> ")[1:]]
     assert first == "Hé\ufffd" and parts[:2] == ["Hé🦊", "Hé🦊 fox"]
     assert parts[2] == CHAIN_TEXT  # "!", then eos
@@ -544,11 +640,40 @@ def test_chat_ctrl_c_keeps_what_was_written_for_continue(
     assert _chat_loop(args, CtrlCAt(_session(args), 3), _options(args)) == 0
     out, err = capsys.readouterr()
     assert "[stopped: /continue goes on from here]" in err and "Traceback" not in err
-    stopped = out.split("assistant> ")[1].split("you> ")[0]
-    assert stopped == "Hé"  # H, then é's two byte tokens
-    continued = out.split("assistant (continued)> ")[1].partition("\nyou> ")[0]
-    assert continued == CHAIN_TEXT  # the echo of "Hé", then the rest
+    # H, then é's two byte tokens; the stopped reply's line ends in stdout too, so a
+    # script reading it sees one reply a line
+    assert out == f"assistant> Hé\nassistant (continued)> {CHAIN_TEXT}\n"
     # (before, Ctrl-C dropped the turn, and /continue said "nothing to continue")
+
+
+class TypedAtTerminal(io.StringIO):
+    """Lines as typed at a terminal (so chat prompts), where a line "^C" is Ctrl-C pressed
+    at the prompt: a real SIGINT lands wherever the process happens to be, this lands in
+    the read every run."""
+
+    def isatty(self) -> bool:
+        return True
+
+    def readline(self, size: int | None = -1) -> str:
+        line = super().readline(size)
+        if line == "^C\n":
+            raise KeyboardInterrupt
+        return line
+
+
+def test_chat_ctrl_c_at_the_prompt_drops_the_line_not_the_chat(
+        chain: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C at the prompt drops what was being typed (a half-typed triple-quoted block
+    too) and asks again, as a shell or Python's REPL does; before, it quit the chat, so a
+    Ctrl-C meant for a reply that had just ended lost the conversation. Ctrl-D quits."""
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr("sys.stdin", TypedAtTerminal('Hi\n^C\n"""\nhalf a block\n^C\nAgain\n'))
+    assert main(["chat", "--model", str(chain)]) == 0
+    out, err = capsys.readouterr()
+    reply = f"assistant> {CHAIN_TEXT}\n"
+    assert out == f"you> {reply}you> you> ... ... you> {reply}you> "
+    assert len([ln for ln in err.splitlines() if ln.startswith("[")]) == 2
 
 
 def test_chat_goes_on_past_the_context_window(tiny: Path, tmp_path: Path) -> None:
