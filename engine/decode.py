@@ -63,6 +63,10 @@ class GenerateOptions:
     k: int | None = None  # draft length; None = adaptive
     accept: str = "coupled"
     tree: str = "auto"  # draft trees: "auto" (the policy's call) or "off" (chains only)
+    # text the reply will likely repeat though the conversation does not hold it (a
+    # client's predicted output, the reply being regenerated): prompt lookup drafts from
+    # it too. Only drafts come from it, so the reply is the same with or without it.
+    reference: str = ""
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "prefill_chunk"):
@@ -79,6 +83,8 @@ class GenerateOptions:
             raise EngineError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if self.accept not in ACCEPT_RULES:
             raise EngineError(f"accept must be one of {', '.join(ACCEPT_RULES)}, got {self.accept!r}")
+        if not isinstance(self.reference, str):
+            raise EngineError(f"reference must be text, got {type(self.reference).__name__}")
         if self.tree not in TREE_MODES:
             raise EngineError(f"tree must be one of {', '.join(TREE_MODES)}, got {self.tree!r}")
         if self.k is not None and (isinstance(self.k, bool) or not isinstance(self.k, int)
@@ -356,6 +362,7 @@ class ChatSession:
         self.stats = stats
 
         context = list(prompt_ids)
+        self._set_reference(len(prompt_ids), options.reference if policy is not None else "")
         steps: Iterator[RawStep]
         if policy is None:
             steps = plain_steps(self.target.model, self.caches_tgt, logits, context,
@@ -365,6 +372,14 @@ class ChatSession:
                                       options.sampling, options.accept, self._drafters, policy,
                                       tree=options.tree)
         yield from self._drive(steps, context, len(prompt_ids), options, cancel, stats)
+
+    def _set_reference(self, n_prompt: int, text: str) -> None:
+        """Give prompt lookup the reply's reference text, at most a context window of it
+        (a reply never outgrows the window, and the index grows with what it holds)."""
+        ids = self.target.tokenizer.encode(text)[: self.context_window] if text else []
+        ngram = self._drafters["ngram"]
+        assert isinstance(ngram, NgramDrafter)
+        ngram.set_reference(n_prompt, ids)
 
     def _drive(
         self,

@@ -59,6 +59,7 @@ from app.server.wire import (
 )
 from engine.errors import EngineError
 from engine.events import CUT_MARK, Finished, Step, without_cut_mark
+from engine.prediction import PredictionUse, prediction_use
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ class _Api:
                                       seed=req.seed)
             return GenerateOptions(max_tokens=req.max_tokens or window - n_prompt,
                                    sampling=sampling, stop=req.stop, drafter=drafter,
-                                   k=req.draft_k)
+                                   k=req.draft_k, reference=req.prediction)
         except EngineError as e:
             raise ApiError(422, str(e), code="invalid_value") from None
 
@@ -288,6 +289,8 @@ class _Api:
         card = self._card(req.model)
         try:
             prompt_ids = await run_in_threadpool(_encode, card, req)
+            predicted = (await run_in_threadpool(card.tokenizer.encode, req.prediction)
+                         if req.prediction else None)
         except EngineError as e:
             raise ApiError(400, str(e), param="messages" if req.endpoint == "chat"
                            else "prompt") from None
@@ -312,7 +315,7 @@ class _Api:
         with self._live_lock:
             self._live.add(job)
         reply = _Reply(job, req, events, int(time.time()), self.closing,
-                       lambda: self._forget(job))
+                       lambda: self._forget(job), predicted)
         if req.stream:
             # the grace period: sse-starlette cancels a stream once it notices uvicorn's
             # exit; by then `close_requests` has stopped the job, whose stream is left the
@@ -359,8 +362,10 @@ class _Reply:
     """One request's events turned into a response, streamed or whole."""
 
     def __init__(self, job: Job, req: GenerationRequest, events: asyncio.Queue[JobEvent],
-                 created: int, closing: threading.Event, done: Callable[[], None]) -> None:
+                 created: int, closing: threading.Event, done: Callable[[], None],
+                 predicted: list[int] | None = None) -> None:
         self.job = job
+        self.predicted = predicted  # the request's prediction, encoded (None: none given)
         self.req = req
         self.events = events
         self.created = created
@@ -380,6 +385,11 @@ class _Reply:
                                   f"{'' if n == 1 else 's'}" if n else
                                   ": it stopped before the reply began")
         return None
+
+    def _prediction_use(self, finished: Finished) -> PredictionUse | None:
+        if self.predicted is None:
+            return None
+        return prediction_use(self.predicted, finished.token_ids)
 
     def _extension(self, finished: Finished) -> dict[str, Any]:
         return final_extension(finished, self.job.options.drafter, self.steps_by_drafter)
@@ -401,7 +411,8 @@ class _Reply:
                     build = chat_response if self.req.endpoint == "chat" else completion_response
                     shown = replace(event, text=without_cut_mark(event.text))
                     return JSONResponse(build(self.job.job_id, self.created, self.job.model,
-                                              shown, self._extension(event)))
+                                              shown, self._extension(event),
+                                              self._prediction_use(event)))
                 elif isinstance(event, JobFailed):  # logged by the JobQueue already
                     err = ApiError(event.status if event.status < 499 else 500, event.message)
                     return JSONResponse(err.body(), status_code=err.status)
@@ -457,7 +468,7 @@ class _Reply:
                     # (OpenAI's shape), else on the finish chunk, so every stream reports
                     # it. Both would count it twice in clients that add up the usage of
                     # every chunk (LangChain's streamed usage_metadata does).
-                    total = usage(event.stats)
+                    total = usage(event.stats, self._prediction_use(event))
                     yield make(None if req.endpoint == "chat" else "",
                                finish=finish_reason(event.stats),
                                usage_=None if req.include_usage else total,

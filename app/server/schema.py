@@ -103,6 +103,19 @@ class Message(_Strict):
         return self.content or ""
 
 
+class Prediction(_Strict):
+    """OpenAI's Predicted Outputs: text the reply is expected to repeat (a file being
+    edited). Prompt lookup drafts from it; the reply is what it would be without it."""
+
+    type: Literal["content"]
+    content: StrictStr | list[TextPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
@@ -144,6 +157,7 @@ class _Common(_Strict):
     min_p: MinP = None
     repetition_penalty: RepetitionPenalty = None
     repeat_penalty: RepetitionPenalty = None
+    prediction: Prediction | None = None
 
 
 class ChatBody(_Common):
@@ -203,6 +217,7 @@ class GenerationRequest:
     top_k: int = 0  # 0: off
     min_p: float = 0.0  # 0: off
     repetition_penalty: float = 1.0  # 1: off
+    prediction: str = ""  # "": none
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -325,6 +340,7 @@ def _common(body: _Common, endpoint: str, max_tokens: int | None,
         top_k=body.top_k or 0,
         min_p=0.0 if body.min_p is None else float(body.min_p),
         repetition_penalty=_repetition_penalty(body),
+        prediction=body.prediction.text() if body.prediction is not None else "",
     )
 
 

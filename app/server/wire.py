@@ -10,6 +10,7 @@ from collections import Counter
 from typing import Any
 
 from engine.events import Finished, Stats, Step
+from engine.prediction import PredictionUse
 
 EXTENSION = "understudy"
 
@@ -20,11 +21,17 @@ def finish_reason(stats: Stats) -> str:
     return _FINISH.get(stats.finish_reason or "", "stop")
 
 
-def usage(stats: Stats) -> dict[str, Any]:
-    """OpenAI's usage object, `cached_tokens` included (`Stats.cached_tokens`)."""
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+def usage(stats: Stats, prediction: PredictionUse | None = None) -> dict[str, Any]:
+    """OpenAI's usage object, `cached_tokens` included (`Stats.cached_tokens`), and how
+    much of a request's `prediction` the reply used."""
+    out = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+           "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+           "prompt_tokens_details": {"cached_tokens": stats.cached_tokens}}
+    if prediction is not None:
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": prediction.accepted,
+            "rejected_prediction_tokens": prediction.rejected}
+    return out
 
 
 def step_extension(step: Step) -> dict[str, Any]:
@@ -50,20 +57,22 @@ def _envelope(rid: str, obj: str, created: int, model: str) -> dict[str, Any]:
 
 
 def chat_response(rid: str, created: int, model: str, finished: Finished,
-                  extension: dict[str, Any]) -> dict[str, Any]:
+                  extension: dict[str, Any], prediction: PredictionUse | None = None
+                  ) -> dict[str, Any]:
     return {**_envelope(rid, "chat.completion", created, model),
             "choices": [{"index": 0, "logprobs": None,
                          "finish_reason": finish_reason(finished.stats),
                          "message": {"role": "assistant", "content": finished.text}}],
-            "usage": usage(finished.stats), EXTENSION: extension}
+            "usage": usage(finished.stats, prediction), EXTENSION: extension}
 
 
 def completion_response(rid: str, created: int, model: str, finished: Finished,
-                        extension: dict[str, Any]) -> dict[str, Any]:
+                        extension: dict[str, Any], prediction: PredictionUse | None = None
+                        ) -> dict[str, Any]:
     return {**_envelope(rid, "text_completion", created, model),
             "choices": [{"index": 0, "logprobs": None, "text": finished.text,
                          "finish_reason": finish_reason(finished.stats)}],
-            "usage": usage(finished.stats), EXTENSION: extension}
+            "usage": usage(finished.stats, prediction), EXTENSION: extension}
 
 
 def chunk(endpoint: str, rid: str, created: int, model: str, text: str | None, *,

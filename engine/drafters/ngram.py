@@ -10,6 +10,11 @@ from the most recent one's: an edited line repeated from the prompt continues ei
 the old line did or as the last edit did, and one pass checks both. Each branch carries
 how much shorter its match is than the chain's: on code edits a branch from a match as
 long as the chain's won 64% of the forks where the chain lost, one a token shorter 10%.
+
+A *reference* (`set_reference`) is text the reply is likely to repeat that is not in the
+context: a client's predicted output (OpenAI's `prediction`), the reply being regenerated.
+It is searched as if it stood between the prompt and the reply, so the reply's own earlier
+text wins over it and it wins over the prompt at equal match lengths.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from engine.sampling import SamplingParams
 from engine.tree import ROOT, DraftTree
 
 ALT_SOURCES = 4  # earlier matches per suffix length a tree takes branches from
+# in the index between the prompt, the reference and the reply: no n-gram spans it and no
+# draft runs past it (never a token id)
+SEP = -1
 
 
 @dataclass
@@ -46,7 +54,13 @@ class NgramDrafter:
     branch_min_n: int = 1
     max_draft: int = 16
     name: str = "ngram"
+    # the context as synced (the suffixes looked up are its own)
+    _real: list[int] = field(default_factory=list, init=False, repr=False)
+    # what is indexed: `_real`, with [SEP, the prompt's last tokens, *reference, SEP]
+    # inserted after its first `_ref_at` tokens once the context reaches them
     _ids: list[int] = field(default_factory=list, init=False, repr=False)
+    _reference: tuple[int, ...] = field(default=(), init=False, repr=False)
+    _ref_at: int = field(default=0, init=False, repr=False)
     # _index[n - lo]: n-gram -> latest start i that has a token after it (i + n < len),
     # lo = min(min_n, branch_min_n)
     _index: list[dict[tuple[int, ...], int]] = field(default_factory=list, init=False,
@@ -63,34 +77,72 @@ class NgramDrafter:
         """Like `match`, plus the length of the matched suffix (0 when nothing matched)."""
         k = min(k, self.max_draft)
         n_ctx = len(context)
-        if k <= 0 or n_ctx < self.min_n + 1:
+        if k <= 0 or n_ctx < self.min_n:
             return (), 0
-        ids = self._sync(context)
-        for n in range(min(self.max_n, n_ctx - 1), self.min_n - 1, -1):
-            i = self._index[n - self._lo].get(tuple(ids[n_ctx - n :]))
+        real = self._sync(context)
+        # (a suffix as long as the context can match only in the reference)
+        for n in range(min(self.max_n, n_ctx), self.min_n - 1, -1):
+            i = self._index[n - self._lo].get(tuple(real[n_ctx - n :]))
             if i is not None:
-                return tuple(ids[i + n : i + n + k]), n
+                return self._run_from(i + n, k), n
         return (), 0
 
+    def set_reference(self, at: int, reference: Sequence[int]) -> None:
+        """Search `reference` too, as if it stood after the context's first `at` tokens
+        (the prompt), following the prompt's last few tokens as the reply will. () clears
+        it; the index is rebuilt only when the reference or its place changed."""
+        ref = tuple(reference)
+        if ref == self._reference and (not ref or at == self._ref_at):
+            return
+        self.reset()
+        self._reference, self._ref_at = ref, max(0, at)
+
     def _sync(self, context: Sequence[int]) -> list[int]:
-        """Bring the index up to `context`: extend it when the context grew, else rebuild."""
-        ids = self._ids
-        n_old = len(ids)
-        if len(context) < n_old or list(context[:n_old]) != ids:
+        """Bring the index up to `context`: extend it when the context grew, else rebuild.
+        Returns the synced context."""
+        real = self._real
+        n_old = len(real)
+        if len(context) < n_old or list(context[:n_old]) != real:
             self.reset()
-            ids, n_old = self._ids, 0
-        lo = self._lo
+            real, n_old = self._real, 0
         if not self._index:
-            self._index = [{} for _ in range(lo, self.max_n + 1)]
-            self._starts = [{} for _ in range(lo, self.max_n + 1)]
-        ids.extend(context[n_old:])
-        for j in range(max(n_old, lo), len(ids)):
-            # token j now follows the n-grams that end just before it
-            for n in range(lo, min(self.max_n, j) + 1):
-                gram = tuple(ids[j - n : j])
-                self._index[n - lo][gram] = j - n
-                self._starts[n - lo].setdefault(gram, []).append(j - n)
-        return ids
+            self._index = [{} for _ in range(self._lo, self.max_n + 1)]
+            self._starts = [{} for _ in range(self._lo, self.max_n + 1)]
+        if self._reference and n_old == 0 and self._ref_at == 0:
+            self._insert_reference()
+        for j in range(n_old, len(context)):
+            real.append(context[j])
+            self._append(context[j])
+            if self._reference and j + 1 == self._ref_at:
+                self._insert_reference()
+        return real
+
+    def _insert_reference(self) -> None:
+        tail = self._real[max(0, len(self._real) - self.max_n):]
+        for tok in (SEP, *tail, *self._reference, SEP):
+            self._append(tok)
+
+    def _append(self, token: int) -> None:
+        """Index `token` as following each n-gram that ends just before it (none that
+        holds SEP, nor any that SEP follows: nothing can be drafted from those)."""
+        ids, lo = self._ids, self._lo
+        j = len(ids)
+        ids.append(token)
+        if token == SEP:
+            return
+        for n in range(lo, min(self.max_n, j) + 1):
+            if ids[j - n] == SEP:  # so does every longer gram
+                break
+            gram = tuple(ids[j - n : j])
+            self._index[n - lo][gram] = j - n
+            self._starts[n - lo].setdefault(gram, []).append(j - n)
+
+    def _run_from(self, start: int, k: int) -> tuple[int, ...]:
+        """Up to `k` indexed tokens from `start`, stopping at a SEP."""
+        run = self._ids[start : start + k]
+        if SEP in run:
+            run = run[: run.index(SEP)]
+        return tuple(run)
 
     @property
     def _lo(self) -> int:
@@ -109,14 +161,14 @@ class NgramDrafter:
         if not main or extra <= 0:
             return Draft(main)
         k = len(main)
-        ids, n_ctx = self._ids, len(context)
+        n_ctx = len(context)
         tokens, parents = list(main), list(range(-1, len(main) - 1))
         gaps: list[float | None] = [None] * len(main)
         kids: dict[int, dict[int, int]] = {p: {t: p + 1} for p, t in
                                            zip(parents, tokens, strict=True)}
         for m, i in self._branch_sources(n_ctx, n):
             node = ROOT
-            for tok in ids[i + m : i + m + k]:
+            for tok in self._run_from(i + m, k):
                 child = kids.setdefault(node, {}).get(tok)
                 if child is None:
                     if extra <= 0:
@@ -135,19 +187,20 @@ class NgramDrafter:
         least `branch_min_n` tokens, the ALT_SOURCES most recent per length) was followed
         by `token`: the lookup tree's first layer, checked against a token already known."""
         n_ctx = len(context)
-        if n_ctx < self._lo + 1:
+        if n_ctx < self._lo:
             return False
-        ids = self._sync(context)
+        self._sync(context)
+        ids = self._ids
         return any(ids[i + m] == token
-                   for m, i in self._branch_sources(n_ctx, min(self.max_n, n_ctx - 1)))
+                   for m, i in self._branch_sources(n_ctx, min(self.max_n, n_ctx)))
 
     def _branch_sources(self, n_ctx: int, longest: int) -> Iterator[tuple[int, int]]:
         """(suffix length m, start i) of the earlier matches trees branch from: suffixes
         from `longest` down to `branch_min_n` tokens, the ALT_SOURCES most recent starts
         of each, most recent first (the index must be synced to the context)."""
-        ids = self._ids
+        real = self._real
         for m in range(longest, self.branch_min_n - 1, -1):
-            starts = self._starts[m - self._lo].get(tuple(ids[n_ctx - m :]), [])
+            starts = self._starts[m - self._lo].get(tuple(real[n_ctx - m :]), [])
             for i in reversed(starts[-ALT_SOURCES:]):
                 yield m, i
 
@@ -155,6 +208,8 @@ class NgramDrafter:
         return None
 
     def reset(self) -> None:
+        """Forget the index (the reference stays: it is set for each reply)."""
+        self._real = []
         self._ids = []
         self._index = []
         self._starts = []

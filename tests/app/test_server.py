@@ -357,6 +357,44 @@ def test_two_clients_conversations_each_keep_their_cache(client: openai.OpenAI,
         assert again.usage.prompt_tokens_details.cached_tokens > len(prompt) - 40
 
 
+def test_a_prediction_is_drafted_from_and_changes_no_text(client: openai.OpenAI,
+                                                          card: ModelCard) -> None:
+    """OpenAI's Predicted Outputs: prompt lookup drafts from the predicted text, the reply is
+    the one plain decoding writes, and usage says how much of the prediction it wrote."""
+    def reply(drafter: str, prediction: str | None = None, **sampling):
+        extra = {"prediction": {"type": "content", "content": prediction}} if prediction else {}
+        return client.chat.completions.create(
+            model=card.id, messages=HELLO, max_tokens=40, extra_body={"drafter": drafter},
+            **sampling, **extra)
+
+    plain = reply("none", temperature=0)
+    text = plain.choices[0].message.content
+    predicted = reply("ngram", text, temperature=0)
+    unaided = reply("ngram", temperature=0)
+    wrong = reply("ngram", "Completely unrelated words about the sea. " * 4, temperature=0)
+    assert (predicted.choices[0].message.content == unaided.choices[0].message.content
+            == wrong.choices[0].message.content == text)
+    # the whole reply was predicted: most of it is copied, several tokens a pass
+    assert ext(predicted)["tau"] >= 3.0 > ext(unaided)["tau"]
+    used = predicted.usage.completion_tokens_details
+    n_predicted = len(card.tokenizer.encode(text))
+    assert used.accepted_prediction_tokens >= 0.9 * n_predicted
+    assert used.accepted_prediction_tokens + used.rejected_prediction_tokens == n_predicted
+    assert wrong.usage.completion_tokens_details.accepted_prediction_tokens < 0.3 * n_predicted
+    assert unaided.usage.completion_tokens_details is None  # no prediction, no count
+    # sampled: the same seed writes the same text with or without a prediction
+    sampled = reply("none", temperature=0.8, seed=11).choices[0].message.content
+    assert reply("ngram", sampled, temperature=0.8, seed=11).choices[0].message.content == sampled
+    # streamed, list-of-parts content: usage carries the count too
+    stream = client.chat.completions.create(
+        model=card.id, messages=HELLO, max_tokens=40, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"drafter": "ngram"},
+        prediction={"type": "content", "content": [{"type": "text", "text": text}]})
+    last = list(stream)[-1]
+    assert last.usage.completion_tokens_details.accepted_prediction_tokens == \
+        used.accepted_prediction_tokens
+
+
 # ---------------------------------------------------------------------------- queue, cancel
 
 
@@ -593,6 +631,12 @@ BAD_INPUT = [
     ("draft_k beyond K_MAX", "/v1/chat/completions", _chat(draft_k=99), 422, "draft_k"),
     ("draft_k not an int", "/v1/chat/completions", _chat(draft_k="4"), 422, "draft_k"),
     ("top_k negative", "/v1/chat/completions", _chat(top_k=-1), 422, "top_k"),
+    ("prediction not an object", "/v1/chat/completions", _chat(prediction="def f"), 422,
+     "prediction"),
+    ("prediction of another type", "/v1/chat/completions",
+     _chat(prediction={"type": "image", "content": "x"}), 422, "prediction.type"),
+    ("prediction content not text", "/v1/chat/completions",
+     _chat(prediction={"type": "content", "content": 7}), 422, "prediction.content"),
     ("top_k not an int", "/v1/chat/completions", _chat(top_k=2.5), 422, "top_k"),
     ("min_p above 1", "/v1/chat/completions", _chat(min_p=1.5), 422, "min_p"),
     ("repetition_penalty zero", "/v1/chat/completions", _chat(repetition_penalty=0), 422,

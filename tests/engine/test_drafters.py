@@ -107,6 +107,77 @@ def test_ngram_index_follows_growing_shrinking_and_new_contexts(
     assert SHARED.match(shorter, k) == reference_match(shorter, k)
 
 
+# ----------------------------------------------------------------------------- reference
+
+
+def reference_with_text(ctx: Sequence[int], k: int, at: int, ref: Sequence[int],
+                        max_n: int = 6) -> tuple[int, ...]:
+    """Lookup with a reference, spelled out: search [prompt, SEP, prompt tail, reference,
+    SEP, reply] for the context's own suffix; no match may hold or be followed by SEP."""
+    sep = -1
+    if ref and len(ctx) >= at:
+        searched = [*ctx[:at], sep, *ctx[max(0, at - max_n):at], *ref, sep, *ctx[at:]]
+    else:
+        searched = list(ctx)
+    for n in range(min(max_n, len(ctx)), 0, -1):
+        suffix = list(ctx[len(ctx) - n:])
+        for i in range(len(searched) - n - 1, -1, -1):
+            if searched[i:i + n] == suffix and searched[i + n] != sep:
+                run = searched[i + n:i + n + k]
+                return tuple(run[:run.index(sep)] if sep in run else run)
+    return ()
+
+
+def test_a_reference_drafts_what_the_context_does_not_hold() -> None:
+    lookup = NgramDrafter()
+    prompt = [1, 2, 3, 4]
+    lookup.set_reference(len(prompt), [9, 8, 7, 6, 5])
+    assert lookup.match([*prompt, 9], 3) == (8, 7, 6)
+    # the reply's start follows the prompt's last tokens, as the reference's does
+    assert lookup.match_with_length(prompt, 3) == ((9, 8, 7), 4)
+    # no draft runs past its end into the reply
+    assert lookup.match([*prompt, 9, 8, 7, 6], 4) == (5,)
+    lookup.set_reference(len(prompt), ())
+    assert lookup.match([*prompt, 9], 3) == ()
+
+
+def test_a_reference_wins_over_the_prompt_and_loses_to_the_reply() -> None:
+    lookup = NgramDrafter()
+    prompt = [5, 1, 2, 5, 7]
+    lookup.set_reference(len(prompt), [5, 3])
+    assert lookup.match([*prompt, 5], 1) == (3,)  # the prompt's 5 was followed by 1 and 7
+    assert lookup.match([*prompt, 5, 4, 5], 1) == (4,)  # the reply's own 5 came later
+
+
+@settings(max_examples=300, deadline=None)
+@given(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20),
+       ref=st.lists(st.integers(0, 3), max_size=12),
+       reply=st.lists(st.integers(0, 3), max_size=10), k=st.integers(1, 8))
+def test_ngram_with_a_reference_matches_the_spelled_out_search(
+        prompt: list[int], ref: list[int], reply: list[int], k: int) -> None:
+    lookup = NgramDrafter()
+    lookup.set_reference(len(prompt), ref)
+    ctx = list(prompt)
+    for t in [None, *reply]:  # the reply grows token by token
+        if t is not None:
+            ctx.append(t)
+        assert lookup.match(ctx, k) == reference_with_text(ctx, k, len(prompt), ref)
+        draft = lookup.propose_tree(ctx, k, extra=8)
+        assert -1 not in draft.ids
+
+
+def test_a_reference_moved_or_changed_rebuilds_the_index() -> None:
+    lookup = NgramDrafter()
+    lookup.set_reference(2, [7, 7, 8])
+    assert lookup.match([1, 2, 7], 2) == (7, 8)
+    lookup.set_reference(2, [7, 9])
+    assert lookup.match([1, 2, 7], 2) == (9,)
+    # a prompt one token longer: the reference follows all of it
+    lookup.set_reference(3, [7, 9])
+    assert lookup.match([1, 2, 7], 2) == (7, 9)
+    assert lookup.match([1, 2, 7, 7], 2) == (9,)
+
+
 # ----------------------------------------------------------------------------- model drafter
 
 
