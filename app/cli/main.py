@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from contextlib import closing, suppress
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -122,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="JSON file: a list of {role, content} messages (roles: "
                      "system, developer, user, assistant)")
     _add_sampling_args(gen)
+    gen.add_argument("--prediction", type=Path, metavar="FILE",
+                     help="text the reply is expected to repeat (the file being edited, "
+                     "an earlier reply): prompt lookup drafts from it; the reply is the same "
+                     "with or without it")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object at the end instead of streaming text")
 
@@ -363,25 +368,52 @@ def _seed_note(options) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.prediction import prediction_use
+
     messages = _messages(args)
-    options = _options(args)
+    options = replace(_options(args), reference=_prediction_text(args.prediction))
     session = _session(args)
     _warn_unread_stdin(args)  # after loading: by now a pipe's writer has written
     finished, steps = _stream(session, messages, options, None if args.json else sys.stdout)
+    used = (prediction_use(session.target.tokenizer.encode(options.reference),
+                           finished.token_ids) if args.prediction is not None else None)
     if args.json:
         tokens = [{"id": t.id, "text": t.text, "kind": t.kind.value}
                   for s in steps for t in s.tokens if t.kind.committed]
         stats = {**finished.stats.as_dict(), "seed": options.sampling.seed}
+        if used is not None:
+            stats["prediction"] = {"accepted_tokens": used.accepted,
+                                   "rejected_tokens": used.rejected}
         print(json.dumps({"text": finished.text, "tokens": tokens, "stats": stats},
                          ensure_ascii=False))
     else:
         s = finished.stats
         sys.stdout.write("\n")
+        predicted = (f" · {used.accepted} of {used.accepted + used.rejected} predicted "
+                     "tokens written" if used is not None else "")
         print(f"[{s.generated_tokens} tokens · {s.decode_tps:.1f} tok/s · prompt "
               f"{s.prompt_tps:.1f} tok/s · {s.tau:.2f} tokens/pass · "
-              f"{100 * s.acceptance:.0f}% accepted · {s.finish_reason}{_dropped(s)}"
-              f"{_seed_note(options)}]", file=sys.stderr)
+              f"{100 * s.acceptance:.0f}% accepted{predicted} · {s.finish_reason}"
+              f"{_dropped(s)}{_seed_note(options)}]", file=sys.stderr)
     return 0
+
+
+def _prediction_text(path: Path | None) -> str:
+    """The text of --prediction FILE ("" without one), or an error naming the file."""
+    from engine.errors import PromptError
+
+    if path is None:
+        return ""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise PromptError(f"--prediction: {path}: no such file") from None
+    except IsADirectoryError:
+        raise PromptError(f"--prediction: {path} is a folder, not a text file") from None
+    except UnicodeDecodeError as e:
+        raise PromptError(f"--prediction: {path} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise PromptError(f"--prediction: cannot read {path} ({e.strerror})") from None
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -107,6 +107,45 @@ def test_generate_json_shape(chain: Path, capsys: pytest.CaptureFixture[str]) ->
     assert stats["acceptance"] == 0 and stats["target_passes"] >= len(ids)
 
 
+def test_generate_drafts_from_a_prediction_file(chain: Path, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """--prediction FILE: the reply is drafted from it (fewer passes than without), the
+    text stays plain decoding's, and the stats say how much of it the reply wrote."""
+    prediction = tmp_path / "predicted.txt"
+    prediction.write_text(CHAIN_TEXT, encoding="utf-8")
+    args = ["--model", str(chain), "--prompt", "Hi", "--drafter", "ngram"]
+    with_it = gen_json(capsys, *args, "--prediction", str(prediction))
+    without = gen_json(capsys, *args)
+    assert with_it["text"] == without["text"] == CHAIN_TEXT
+    n = len(Tokenizer.from_folder(chain).encode(CHAIN_TEXT))
+    assert with_it["stats"]["prediction"] == {"accepted_tokens": n, "rejected_tokens": 0}
+    assert "prediction" not in without["stats"]
+    assert with_it["stats"]["target_passes"] * 2 < without["stats"]["target_passes"]
+    # a prediction the reply does not follow: same text, every token of it rejected
+    prediction.write_text("1234567", encoding="utf-8")
+    wrong = gen_json(capsys, *args, "--prediction", str(prediction))
+    assert wrong["text"] == CHAIN_TEXT and wrong["stats"]["prediction"]["accepted_tokens"] == 0
+    assert main(["generate", *args, "--prediction", str(prediction)]) == 0
+    assert "0 of " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, content, needle", [
+    ("missing.txt", None, "no such file"),
+    ("latin1.txt", "caf\xe9".encode("latin-1"), "not UTF-8 text"),
+    ("folder", "dir", "is a folder"),
+])
+def test_a_bad_prediction_file_is_one_line_naming_it(chain: Path, tmp_path: Path, name: str,
+                                                     content, needle: str) -> None:
+    path = tmp_path / name
+    if content == "dir":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    proc = cli("generate", "--model", str(chain), "--prompt", "Hi", "--prediction", str(path),
+               data_dir=tmp_path / "data")
+    assert_one_line_error(proc, "--prediction", str(path), needle)
+
+
 def test_messages_file_and_system(chain: Path, tmp_path: Path,
                                   capsys: pytest.CaptureFixture[str]) -> None:
     tok = Tokenizer.from_folder(chain)
