@@ -269,8 +269,9 @@ class ChatController(QObject):
                 if self.conversation_id else [])
 
     # -- intents -------------------------------------------------------------------------
-    def send(self, text: str, *, compare: bool = False) -> bool:
-        """Add a user message and start the reply (and, with `compare`, the plain run)."""
+    def send(self, text: str, *, compare: bool = False, reference: str = "") -> bool:
+        """Add a user message and start the reply (and, with `compare`, the plain run).
+        `reference`: text the reply may repeat, which prompt lookup drafts from."""
         if not text.strip() or self.generating:
             return False
         if self.conversation_id is None or self.store.conversation(self.conversation_id) is None:
@@ -282,7 +283,7 @@ class ChatController(QObject):
         msg = self.store.add_message(self.conversation_id, "user", text)
         self.message_added.emit(msg)
         self.conversations_changed.emit()
-        self._start_reply(compare)
+        self._start_reply(compare, reference)
         return True
 
     def stop(self) -> None:
@@ -313,13 +314,15 @@ class ChatController(QObject):
             self.generating_changed.emit(False)
 
     def regenerate(self, message_id: int) -> bool:
-        """Drop an assistant reply (and anything after it) and generate it again."""
+        """Drop an assistant reply (and anything after it) and generate it again. The new
+        reply is drafted from the old one where it repeats it (prompt lookup's reference):
+        another temperature, seed or system prompt often changes only part of a reply."""
         msg = self.store.message(message_id, with_steps=False)
         if msg is None or msg.role != "assistant" or self.generating:
             return False
         self.store.delete_messages_from(msg.conversation_id, msg.position)
         self.open_conversation(msg.conversation_id)
-        self._start_reply(compare=False)
+        self._start_reply(compare=False, reference=msg.content)
         return True
 
     def last_continuable(self) -> int | None:
@@ -355,13 +358,17 @@ class ChatController(QObject):
         return True
 
     def edit_and_resend(self, message_id: int, text: str) -> bool:
-        """Replace a user message (dropping what followed it) and reply to the new text."""
+        """Replace a user message (dropping what followed it) and reply to the new text,
+        drafting from the reply the old text got where the new one repeats it."""
         msg = self.store.message(message_id, with_steps=False)
         if msg is None or msg.role != "user" or self.generating or not text.strip():
             return False
+        later = [m for m in self.store.messages(msg.conversation_id, with_steps=False)
+                 if m.position > msg.position]
+        old_reply = later[0].content if later and later[0].role == "assistant" else ""
         self.store.delete_messages_from(msg.conversation_id, msg.position)
         self.open_conversation(msg.conversation_id)
-        return self.send(text)
+        return self.send(text, reference=old_reply)
 
     def last_prompt(self) -> Message | None:
         """The open conversation's last user message: what Replay runs again (None in an
@@ -397,14 +404,16 @@ class ChatController(QObject):
                 out.append({"role": m.role, "content": m.content})
         return tuple(out)
 
-    def _start_reply(self, compare: bool) -> None:
+    def _start_reply(self, compare: bool, reference: str = "") -> None:
         assert self.conversation_id is not None
         settings = self.settings
         messages = self._engine_messages()
         reply_msg = self.store.begin_reply(self.conversation_id, model=settings.target,
                                            settings=settings.as_dict())
         self.message_added.emit(reply_msg)
-        request = GenerationRequest(self.host.new_request_id(), messages, settings)
+        # a comparison races on equal terms: neither side gets the old reply to copy
+        request = GenerationRequest(self.host.new_request_id(), messages, settings,
+                                    reference="" if compare else reference)
         self._reply = _Reply(request, reply_msg.id, self.conversation_id, comparison=compare)
         self._spec_finished = self._plain_finished = None
         self.generating_changed.emit(True)

@@ -149,6 +149,8 @@ class GenerationRequest:
     cancel: threading.Event = field(default_factory=threading.Event)
     plain: bool = False  # the comparison's plain-decoding run
     continue_final: bool = False  # write on from the end of the last (assistant) message
+    # text the reply may repeat (the reply it replaces): prompt lookup drafts from it
+    reference: str = ""
 
 
 @dataclass(frozen=True)
@@ -410,7 +412,8 @@ class EngineWorker(QObject):
             return
         try:
             session = self._chat_session(request.settings, request.plain)
-            options = request.settings.to_options(plain=request.plain)
+            options = replace(request.settings.to_options(plain=request.plain),
+                              reference=request.reference)
             self.generation_started.emit(rid)
             events = session.generate(list(request.messages), options, request.cancel,
                                       continue_final=request.continue_final)

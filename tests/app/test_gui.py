@@ -20,6 +20,7 @@ from app.ui.token_render import KIND_STYLES
 from app.ui.worker import ChatSettings
 from engine.events import Step, TokenKind, without_cut_mark
 from engine.tuning import K_MAX
+from tests.engine.test_decode import CHAIN_TEXT, write_chain_model
 
 TIMEOUT = 60_000
 
@@ -594,6 +595,40 @@ def test_regenerate_replaces_the_reply(qtbot, make_gui, tiny_pair) -> None:
     assert [m.role for m in msgs] == ["user", "assistant"]
     assert msgs[1].id > first.id and msgs[1].settings["seed"] == 5
     assert [c.message_id for c in gui.window.chat_view.cards] == [msgs[0].id, msgs[1].id]
+
+
+def test_regenerate_and_edit_draft_from_the_reply_they_replace(qtbot, make_gui, tmp_path,
+                                                               screenshots_dir) -> None:
+    """Regenerating drafts from the old reply (prompt lookup's reference): at the same
+    settings the same text, in far fewer passes; editing the question hands its old reply
+    on the same way. A comparison's race gets no reference (it compares on equal terms)."""
+    chain = write_chain_model(tmp_path / "chain")  # greedy: CHAIN_TEXT to any prompt
+    settings = ChatSettings(target=str(chain), drafter="ngram", k=8, max_tokens=40)
+    gui = make_gui(settings)
+    sent: list = []
+    generate, race = gui.host.generate, gui.host.race
+    gui.host.generate = lambda request: (sent.append(request), generate(request))[1]
+    gui.host.race = lambda spec, plain: (sent.extend([spec, plain]), race(spec, plain))[1]
+    gui.controller.send("Say something")
+    wait_idle(qtbot, gui)
+    [question, first] = gui.store.messages(gui.controller.conversation_id)
+    card = gui.window.chat_view.card_for(first.id)
+    qtbot.mouseClick(card.regenerate_button, Qt.MouseButton.LeftButton)
+    wait_idle(qtbot, gui)
+    [_, again] = gui.store.messages(gui.controller.conversation_id)
+    assert again.content == first.content == CHAIN_TEXT
+    assert sent[-1].reference == first.content
+    passes = [stats_from_dict(m.stats).target_passes for m in (first, again)]
+    assert passes[1] * 3 <= passes[0], passes  # the control: the first had nothing to copy
+    gui.window.grab().save(str(screenshots_dir / "regenerated_from_old_reply.png"))
+
+    gui.controller.edit_and_resend(question.id, "Say something else")
+    wait_idle(qtbot, gui)
+    assert sent[-1].reference == again.content
+    gui.controller.replay_comparison()
+    wait_idle(qtbot, gui)
+    assert [r.reference for r in sent[-2:]] == ["", ""]
+    assert sent[0].reference == ""  # a first reply has nothing to draft from
 
 
 def test_sidebar_search_rename_delete_and_export(qtbot, make_gui, tiny_pair, tmp_path, monkeypatch) -> None:
