@@ -14,6 +14,8 @@ from math import ceil
 
 from PySide6.QtCore import QEvent, QMimeData, QPoint, Qt, QTimer, QUrl, Signal
 from PySide6.QtGui import (
+    QAction,
+    QContextMenuEvent,
     QFont,
     QGuiApplication,
     QResizeEvent,
@@ -28,6 +30,7 @@ from PySide6.QtWidgets import (
     QGridLayout,
     QHBoxLayout,
     QLabel,
+    QMenu,
     QMessageBox,
     QPushButton,
     QScrollArea,
@@ -186,6 +189,27 @@ class TokenBrowser(QTextBrowser):
         mime = QMimeData()
         mime.setText(selected_text(self.textCursor()))
         return mime
+
+    def contextMenuEvent(self, event: QContextMenuEvent) -> None:  # noqa: N802 - Qt override
+        self.context_menu(event.pos()).exec(event.globalPos())
+
+    def context_menu(self, pos: QPoint) -> QMenu:
+        """The right-click menu at viewport position `pos`. On a code block's Copy link it
+        offers Copy Code instead of Qt's Copy Link Location, which would copy the view's
+        internal address ("copy-code:0") where the user wants the code."""
+        menu = self.createStandardContextMenu(pos)
+        anchor = self.anchorAt(pos)
+        if anchor.startswith(f"{COPY_SCHEME}:"):
+            for action in menu.actions():
+                if action.objectName() == "link-copy":
+                    menu.removeAction(action)
+            copy_code = QAction("Copy Code", menu)
+            copy_code.triggered.connect(lambda: self._on_anchor_clicked(QUrl(anchor)))
+            first = menu.actions()[0] if menu.actions() else None
+            menu.insertAction(first, copy_code)
+            if first is not None:
+                menu.insertSeparator(first)
+        return menu
 
     def _on_anchor_clicked(self, url: QUrl) -> None:
         if url.scheme() == COPY_SCHEME:

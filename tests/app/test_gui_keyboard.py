@@ -109,6 +109,21 @@ def test_code_blocks_in_the_coloured_reply_have_a_copy_link_that_copies_the_code
     click_at(qtbot, browser, links[1][1])
     assert QGuiApplication.clipboard().text() == "x = 2"
     browser.grab().save(str(screenshots_dir / "coloured_code_copy.png"))
+    # right-click on the link: Copy Code, not Qt's Copy Link Location ("copy-code:1")
+    cursor = QTextCursor(browser.document())
+    cursor.setPosition(links[1][1] + 1)
+    menu = browser.context_menu(browser.cursorRect(cursor).center())
+    names = [a.text() for a in menu.actions() if not a.isSeparator()]
+    qt_names = [a.text() for a in browser.createStandardContextMenu(
+        browser.cursorRect(cursor).center()).actions()]
+    assert "Copy &Link Location" in qt_names  # the control: what Qt offers there
+    assert names[0] == "Copy Code" and not any("Link" in n for n in names), names
+    QGuiApplication.clipboard().clear()
+    menu.actions()[0].trigger()
+    assert QGuiApplication.clipboard().text() == "x = 2"
+    # elsewhere the menu is Qt's own
+    plain_menu = browser.context_menu(QPoint(2, 2))
+    assert "Copy Code" not in [a.text() for a in plain_menu.actions()]
     # the link ends the fence's line, and a selection copied leaves it out
     plain = browser.document().toPlainText()
     assert "```python  Copy\ndef f():" in plain
