@@ -38,6 +38,9 @@ class BenchPrompt:
     id: str
     category: str
     messages: list[dict[str, str]]
+    # text the reply is expected to repeat (a predicted output): the drafting modes'
+    # reference (`GenerateOptions.reference`); "" for none
+    prediction: str = ""
 
 
 @dataclass
@@ -161,7 +164,7 @@ class Totals:
 
 
 def load_prompts(path: Path) -> list[BenchPrompt]:
-    """Read JSON lines {id, category, messages}; errors name the line."""
+    """Read JSON lines {id, category, messages[, prediction]}; errors name the line."""
     out: list[BenchPrompt] = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -180,7 +183,12 @@ def load_prompts(path: Path) -> list[BenchPrompt]:
             raise EngineError(f"{path}:{i}: expected {{id, category, messages}}; missing "
                               f"{', '.join(missing)}")
         messages = check_messages(obj["messages"], f"{path}:{i}: messages")
-        out.append(BenchPrompt(str(obj["id"]), str(obj["category"]), list(messages)))
+        prediction = obj.get("prediction", "")
+        if not isinstance(prediction, str):
+            raise EngineError(f"{path}:{i}: prediction must be text (a JSON string), got "
+                              f"{type(prediction).__name__}")
+        out.append(BenchPrompt(str(obj["id"]), str(obj["category"]), list(messages),
+                               prediction))
     if not out:
         raise EngineError(f"{path}: no prompts")
     return out
@@ -254,7 +262,8 @@ def run_bench(session: ChatSession, prompts: Sequence[BenchPrompt], modes: Itera
     rows, categories, overall = [], {}, Totals()
     for i, p in enumerate(prompts):
         order = modes if i % 2 == 0 else tuple(reversed(modes))
-        runs = run_side_by_side(sessions, p.messages, options, order)
+        runs = run_side_by_side(sessions, p.messages, {
+            m: replace(o, reference=p.prediction) for m, o in options.items()}, order)
         t = Totals()
         got = (runs.get("plain"), runs.get("spec"), runs.get("chain"))
         t.add(*got)

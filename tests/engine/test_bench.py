@@ -182,11 +182,32 @@ def test_load_prompts_errors_name_the_line(tmp_path: Path) -> None:
         load_prompts(path)
     path.write_text(good + "\n")
     assert [p.id for p in load_prompts(path)] == ["a"]  # the control: a good file loads
+    path.write_text(good[:-1] + ', "prediction": ["x"]}\n')
+    with pytest.raises(EngineError, match=r"p\.jsonl:1: prediction must be text"):
+        load_prompts(path)
+    path.write_text(good[:-1] + ', "prediction": "hi there"}\n')
+    assert load_prompts(path)[0].prediction == "hi there"
     path.write_text("\n\n")
     with pytest.raises(EngineError, match="no prompts"):
         load_prompts(path)
     with pytest.raises(EngineError, match="cannot read"):
         load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_a_prompts_prediction_is_what_the_drafting_modes_draft_from(tmp_path: Path) -> None:
+    """A bench prompt may carry a predicted output: spec and chain draft from it (far
+    fewer passes than without one), and the text stays plain decoding's."""
+    from tests.engine.test_decode import CHAIN_TEXT, write_chain_model
+
+    chain = ChatSession(load_model(str(write_chain_model(tmp_path / "chain"))))
+    messages = [{"role": "user", "content": "Hi"}]
+    prompts = [BenchPrompt("with", "predicted", messages, CHAIN_TEXT),
+               BenchPrompt("without", "unpredicted", messages)]
+    options = GenerateOptions(max_tokens=40, drafter="ngram")
+    report = run_bench(chain, prompts, ("plain", "spec", "chain"), options)
+    rows = {r["id"]: r for r in report["prompts"]}
+    assert all(r["identical"] for r in rows.values())
+    assert rows["with"]["tau"] >= 3 * rows["without"]["tau"], rows
 
 
 def test_unknown_mode_is_refused(session: ChatSession) -> None:
