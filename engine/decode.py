@@ -262,7 +262,10 @@ class ChatSession:
             costs = self._costs = self._costs or self._calibrate()
         ngram = self._drafters["ngram"]
         assert isinstance(ngram, NgramDrafter)
-        memory = self._policy_memory.setdefault(mode, PolicyMemory())
+        # a reply with a reference learns apart: its lookup matches run into text the reply
+        # was given, far surer than the context's, and must not teach the next reply so
+        memory = self._policy_memory.setdefault(
+            f"{mode}+reference" if options.reference else mode, PolicyMemory())
         if self.head is not None and self.head.heldout_top1:
             # the head's first estimate is its held-out agreement from training
             memory.estimates.setdefault("head", AcceptanceEstimate(self.head.heldout_top1))
