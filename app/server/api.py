@@ -25,6 +25,8 @@ from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -71,6 +73,9 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_waiting: int = 16  # jobs queued behind the one running; more get 429
     retry_after_s: int = 2
+    # web pages (origins) whose scripts may call this server from a browser; none by
+    # default, since any page the user opens could otherwise use the model ("*": any)
+    allow_origins: tuple[str, ...] = ()
 
 
 _ids = itertools.count(1)
@@ -88,7 +93,12 @@ def create_app(backend: EngineBackend, config: ServerConfig | None = None,
     config = config or ServerConfig()
     jobs = JobQueue(backend, config.max_waiting, on_record)
     api = _Api(backend, config, jobs)
+    middleware = [Middleware(
+        CORSMiddleware, allow_origins=list(config.allow_origins), allow_methods=["GET", "POST"],
+        allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"],
+    )] if config.allow_origins else []
     app = Starlette(
+        middleware=middleware,
         # `:path`: a model id may be a Hugging Face repo id, slash included
         routes=[Route("/v1/models", api.list_models, methods=["GET"]),
                 Route("/v1/models/{model_id:path}", api.retrieve_model, methods=["GET"]),

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from engine.choices import DRAFTERS
 from engine.errors import EngineError
@@ -146,6 +147,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="require 'Authorization: Bearer KEY' on every request")
     p.add_argument("--queue", type=int, default=16,
                    help="requests that may wait behind the running one (more get 429)")
+    p.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let scripts on this web origin (scheme://host[:port]) call the "
+                   "server from a browser (CORS); repeatable; '*' allows every page the "
+                   "user opens, so name the ones you trust (default: none)")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -158,6 +163,7 @@ def serve(args: argparse.Namespace) -> int:
         raise EngineError(f"--port must be 0-{MAX_PORT}, got {args.port}")
     if args.queue < 0:
         raise EngineError(f"--queue must be 0 or more, got {args.queue}")
+    origins = check_origins(args.allow_origin)
     sock = bind_socket(args.host, args.port)  # before loading: a busy port fails fast
     engine = EngineThread(EngineSpec(args.model, args.draft, args.drafter))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
@@ -165,7 +171,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         card = engine.start()
         config = ServerConfig(api_key=args.api_key, default_drafter=args.drafter,
-                              max_waiting=args.queue)
+                              max_waiting=args.queue, allow_origins=origins)
         # refusals too: a developer whose tool gets a 400 looks here for the reason
         app = create_app(engine, config, on_record=_print_record, on_rejected=_print_record)
         url = base_url(sock)
@@ -181,6 +187,21 @@ def serve(args: argparse.Namespace) -> int:
         engine.close()
         sock.close()
     return 0
+
+
+def check_origins(given: list[str], name: str = "--allow-origin") -> tuple[str, ...]:
+    """Allowed web origins as browsers send Origin (no path, no trailing slash), or an
+    error naming the one that is not; `name` is where the user gave them."""
+    out = []
+    for origin in given:
+        parsed = urlsplit(origin.rstrip("/")) if origin != "*" else None
+        if parsed is not None and (parsed.scheme not in ("http", "https") or not parsed.netloc
+                                   or parsed.path or parsed.query or parsed.fragment):
+            raise EngineError(f"{name}: {origin!r} is not a web origin; give "
+                              "scheme://host[:port] (such as http://localhost:3000), or * "
+                              "for every page")
+        out.append(origin if parsed is None else f"{parsed.scheme}://{parsed.netloc.lower()}")
+    return tuple(out)
 
 
 def _print_record(r) -> None:

@@ -38,6 +38,7 @@ from app.server.run import (
     ApiKeyRequiredError,
     BackgroundServer,
     check_bind,
+    check_origins,
     client_snippet,
 )
 from app.ui.controller import ChatController
@@ -173,11 +174,18 @@ class ServerPanel(QDialog):
         self.key_edit.setPlaceholderText("required for any host but 127.0.0.1")
         self.drafter_combo = QComboBox()
         self.drafter_combo.addItems(SERVER_DRAFTERS)
+        self.origins_edit = QLineEdit()
+        self.origins_edit.setPlaceholderText("none: only programs, not web pages, may call it")
+        self.origins_edit.setToolTip(
+            "Web pages whose scripts may call the server from a browser (CORS), such as "
+            "http://localhost:3000, separated by spaces or commas; * allows every page "
+            "you open, so name the ones you trust")
         form = QFormLayout()
         form.addRow("Host", self.host_edit)
         form.addRow("Port", self.port_spin)
         form.addRow("API key", self.key_edit)
         form.addRow("Drafter", self.drafter_combo)
+        form.addRow("Web pages", self.origins_edit)
 
         self.start_button = QPushButton("Start")
         self.start_button.clicked.connect(self._on_start_clicked)
@@ -251,7 +259,10 @@ class ServerPanel(QDialog):
         host, key = self.host_edit.text().strip() or DEFAULT_HOST, self.key_edit.text() or None
         try:
             check_bind(host, key)
-            config = ServerConfig(api_key=key, default_drafter=self.drafter_combo.currentText())
+            origins = check_origins(self.origins_edit.text().replace(",", " ").split(),
+                                    name="Web pages")
+            config = ServerConfig(api_key=key, default_drafter=self.drafter_combo.currentText(),
+                                  allow_origins=origins)
             app = create_app(self._backend, config, on_record=self._record_arrived.emit,
                              on_rejected=self._record_arrived.emit)
             server = BackgroundServer(app, host, self.port_spin.value())
@@ -290,7 +301,8 @@ class ServerPanel(QDialog):
     def _show_state(self) -> None:
         running = self._server is not None
         self.start_button.setText("Stop" if running else "Start")
-        for w in (self.host_edit, self.port_spin, self.key_edit, self.drafter_combo):
+        for w in (self.host_edit, self.port_spin, self.key_edit, self.drafter_combo,
+                  self.origins_edit):
             w.setEnabled(not running)
         if running:
             assert self._server is not None

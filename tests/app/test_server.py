@@ -506,6 +506,61 @@ def test_api_key_required_and_compared(serve, card: ModelCard,
     assert "sekret-key" not in caplog.text
 
 
+def cors_headers(server: BackgroundServer, method: str, origin: str,
+                 headers: dict[str, str] | None = None) -> tuple[int, dict[str, str]]:
+    url = urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    try:
+        conn.request(method, "/v1/chat/completions", headers={"Origin": origin, **(headers or {})})
+        response = conn.getresponse()
+        response.read()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}
+    finally:
+        conn.close()
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST",
+             "Access-Control-Request-Headers": "authorization, content-type"}
+
+
+def test_browser_pages_may_call_only_when_their_origin_is_allowed(serve, card: ModelCard
+                                                                  ) -> None:
+    """--allow-origin (CORS): a browser's preflight from an allowed page passes without the
+    key (browsers send none there), its POST is answered with the header that lets the page
+    read it; other pages, and every page by default, get no such header."""
+    page = "http://localhost:3000"
+    server = serve(ServerConfig(api_key="k", allow_origins=(page,)))
+    status, headers = cors_headers(server, "OPTIONS", page, PREFLIGHT)
+    assert status == 200 and headers["access-control-allow-origin"] == page
+    assert "POST" in headers["access-control-allow-methods"]
+    assert "authorization" in headers["access-control-allow-headers"].lower()
+    status, headers = cors_headers(server, "OPTIONS", "http://evil.example", PREFLIGHT)
+    assert status == 400 and "access-control-allow-origin" not in headers
+    url = urlsplit(server.url)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+    body = json.dumps({"model": card.id, "messages": HELLO, "max_tokens": 2})
+    conn.request("POST", "/v1/chat/completions", body=body,
+                 headers={"Origin": page, "Authorization": "Bearer k",
+                          "Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.getheader("access-control-allow-origin") == page
+    assert json.loads(response.read())["usage"]["completion_tokens"] == 2
+    conn.close()
+    default = serve()  # the control: no origin is allowed unless named
+    status, headers = cors_headers(default, "OPTIONS", page, PREFLIGHT)
+    assert "access-control-allow-origin" not in headers
+
+
+def test_allow_origin_values_are_checked() -> None:
+    from app.server.run import check_origins
+
+    assert check_origins(["http://LocalHost:3000/", "*", "https://app.example"]) == (
+        "http://localhost:3000", "*", "https://app.example")
+    for bad in ("localhost:3000", "http://x.example/chat", "ftp://x.example", "http://"):
+        with pytest.raises(EngineError, match=re.escape(f"--allow-origin: {bad!r}")):
+            check_origins([bad])
+
+
 def test_off_loopback_needs_a_key(capsys: pytest.CaptureFixture[str]) -> None:
     check_bind("127.0.0.1", None)
     check_bind("::1", None)

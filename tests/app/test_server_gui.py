@@ -135,3 +135,38 @@ def test_rejected_requests_reach_the_log_and_its_columns_fit(qtbot, make_gui, ti
             if name != "Model":  # a long model id may give way, cut at its end
                 assert metrics.horizontalAdvance(text) < view.columnWidth(column), (name, text)
     panel.stop_server()
+
+
+def test_server_panel_allows_the_web_pages_named(qtbot, make_gui, tiny_pair,
+                                                 screenshots_dir) -> None:
+    """The panel's Web pages field is the CLI's --allow-origin: a bad entry is named and
+    the server not started; the pages named get CORS answers, others none."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    gui = make_gui(ChatSettings(target=str(tiny_pair[0]), drafter="off"))
+    panel = gui.window.server_panel
+    panel.port_spin.setValue(0)
+    panel.show()
+    panel.origins_edit.setText("localhost:3000")
+    assert panel.start_server() is False
+    assert panel.address_label.text().startswith("Not started: Web pages: 'localhost:3000'")
+    panel.origins_edit.setText("http://localhost:3000, https://chat.example")
+    assert panel.start_server() is True
+    assert not panel.origins_edit.isEnabled()  # as the other settings, fixed while running
+    panel.grab().save(str(screenshots_dir / "server_web_pages.png"))
+    url = urlsplit(panel.url)
+
+    def allowed(origin: str) -> str | None:
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        conn.request("OPTIONS", "/v1/chat/completions", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST"})
+        response = conn.getresponse()
+        response.read()
+        conn.close()
+        return response.getheader("access-control-allow-origin")
+
+    assert allowed("https://chat.example") == "https://chat.example"
+    assert allowed("http://localhost:3000") == "http://localhost:3000"
+    assert allowed("http://other.example") is None
+    panel.stop_server()
