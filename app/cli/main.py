@@ -434,10 +434,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 QUIT_COMMANDS = ("/bye", "/quit", "/exit")
 HELP_COMMANDS = ("/help", "/?")
-CHAT_COMMANDS = (*QUIT_COMMANDS, *HELP_COMMANDS, "/continue", "/reset")
+CHAT_COMMANDS = (*QUIT_COMMANDS, *HELP_COMMANDS, "/continue", "/retry", "/reset")
 FENCE = '"""'
 CHAT_HELP = f"""commands:
   /continue           write on from the end of the last reply (one cut at --max-tokens)
+  /retry              write the last reply again (at a temperature above 0 with the next
+                      seed), drafted from the one it replaces
   /reset              start a new conversation (the system prompt stays)
   /bye, /quit, /exit  leave (so does Ctrl-D)
   /help               this list
@@ -521,6 +523,7 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
     from engine.errors import EngineError
 
     _lenient_stdin()
+    retries = 0
     prompts = _reads_a_terminal()
     if prompts:
         _line_editing()
@@ -549,16 +552,25 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
         if command in HELP_COMMANDS:
             print(CHAT_HELP, file=sys.stderr)
             continue
-        if command is not None and command != "/continue":
+        if command is not None and command not in ("/continue", "/retry"):
             print(f"unknown command {command}, see /help (to send it as a message, write "
                   f"/{command})", file=sys.stderr)
             continue
         going_on = command == "/continue"
-        if going_on and not (messages and messages[-1]["role"] == "assistant"
-                             and messages[-1]["content"].strip()):
-            print("nothing to continue: no reply yet", file=sys.stderr)
+        if command is not None and not (messages and messages[-1]["role"] == "assistant"
+                                        and messages[-1]["content"].strip()):
+            print(f"nothing to {command[1:]}: no reply yet", file=sys.stderr)
             continue
-        if going_on:
+        turn_options, replaced = options, None
+        if command == "/retry":
+            # the reply goes; the new one is drafted from it, with the next seed so that a
+            # sampled reply differs (and --seed N with the same commands repeats the chat)
+            replaced = messages.pop()
+            retries += 1
+            turn_options = replace(options, reference=replaced["content"], sampling=replace(
+                options.sampling, seed=(options.sampling.seed + retries) % 2**64))
+            sys.stdout.write("assistant (again)> ")
+        elif going_on:
             from engine.events import without_cut_mark
 
             messages[-1] = {"role": "assistant",
@@ -569,10 +581,12 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
             sys.stdout.write("assistant> ")
         written: list = []
         try:
-            finished, _ = _stream(session, messages, options, sys.stdout,
+            finished, _ = _stream(session, messages, turn_options, sys.stdout,
                                   continue_final=going_on, steps=written)
         except EngineError as e:
-            if not going_on:
+            if replaced is not None:
+                messages.append(replaced)  # the reply it would have replaced stays
+            elif not going_on:
                 messages.pop()
             sys.stdout.write("\n")  # the reply's line ends in stdout, which a script reads
             print(f"error: {e}", file=sys.stderr)
@@ -585,6 +599,8 @@ def _chat_loop(args: argparse.Namespace, session, options) -> int:
                                 "content": messages[-1]["content"] + partial}
             elif partial.strip():
                 messages.append({"role": "assistant", "content": partial})
+            elif replaced is not None:
+                messages.append(replaced)
             else:
                 messages.pop()
             sys.stdout.write("\n")

@@ -636,6 +636,30 @@ def test_chat_continue_finishes_a_reply_cut_at_max_tokens(chain: Path, tmp_path:
     assert stats == ["[4 tokens", "[4 tokens", "[4 tokens", "[1 tokens"]
 
 
+def test_chat_retry_writes_the_last_reply_again_drafted_from_it(chain: Path,
+                                                               tmp_path: Path) -> None:
+    """/retry replaces the last reply: the chain model writes the same text again, now in
+    far fewer passes (drafted from the old reply); with no reply yet it says so. The
+    conversation keeps one reply: the next message's prompt holds the new one only."""
+    proc = cli("chat", "--model", str(chain), "--drafter", "ngram", data_dir=tmp_path,
+               stdin="/retry\nHi\n/retry\nMore\n/bye\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "nothing to retry: no reply yet" in proc.stderr
+    first = proc.stdout.split("assistant> ")[1].partition("\n")[0]
+    again = proc.stdout.split("assistant (again)> ")[1].partition("\n")[0]
+    assert first == again == CHAIN_TEXT
+    taus = [float(ln.split(" · ")[2].split()[0]) for ln in proc.stderr.splitlines()
+            if ln.startswith("[")]
+    assert len(taus) == 3 and taus[1] >= 3 * taus[0], taus  # the control: the first ~1
+    without = cli("chat", "--model", str(chain), "--drafter", "ngram", data_dir=tmp_path,
+                  stdin="Hi\nMore\n/bye\n")
+
+    def last_prompt(stderr: str) -> str:
+        return [ln for ln in stderr.splitlines() if ln.startswith("[")][-1].split("of ")[1]
+
+    assert last_prompt(proc.stderr) == last_prompt(without.stderr)  # "N tokens cached)"
+
+
 class CtrlCAt:
     """A real ChatSession whose next reply is interrupted after `steps` steps, as Ctrl-C
     does (a KeyboardInterrupt out of the stream): a signal sent from a test lands at a
