@@ -460,7 +460,8 @@ class MainWindow(QMainWindow):
         if self._server_panel is None:
             from app.ui.server_panel import ServerPanel
 
-            self._server_panel = ServerPanel(self.controller.host, self.controller, self)
+            self._server_panel = ServerPanel(self.controller.host, self.controller, self,
+                                             self.qsettings)
             self._server_panel.running_changed.connect(self._on_server_running_changed)
         return self._server_panel
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, Qt, Signal
+from PySide6.QtCore import QAbstractTableModel, QModelIndex, QObject, QSettings, Qt, Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (
     QComboBox,
@@ -148,6 +148,10 @@ class RequestLogModel(QAbstractTableModel):
         return self._rows[row]
 
 
+# where the panel keeps what the last server that started was given
+SERVER_KEYS = {name: f"server/{name}" for name in ("host", "port", "drafter", "web_pages")}
+
+
 class ServerPanel(QDialog):
     """Start/stop the server, see where it listens, copy a snippet, watch requests."""
 
@@ -155,7 +159,7 @@ class ServerPanel(QDialog):
     _record_arrived = Signal(object)  # emitted on the engine thread, handled on the GUI's
 
     def __init__(self, host: EngineHost, controller: ChatController,
-                 parent: QWidget | None = None) -> None:
+                 parent: QWidget | None = None, qsettings: QSettings | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Local Server")
         close_with_keys(self)
@@ -186,6 +190,8 @@ class ServerPanel(QDialog):
         form.addRow("API key", self.key_edit)
         form.addRow("Drafter", self.drafter_combo)
         form.addRow("Web pages", self.origins_edit)
+        self._qsettings = qsettings
+        self._restore_settings()
 
         self.start_button = QPushButton("Start")
         self.start_button.clicked.connect(self._on_start_clicked)
@@ -277,9 +283,41 @@ class ServerPanel(QDialog):
             self.address_label.setText(f"Not started: {e}")
             return False
         self._server = server
+        self._save_settings()
         self._show_state()
         self.running_changed.emit(True)
         return True
+
+    def _restore_settings(self) -> None:
+        """The host, port, drafter and web pages of the last server that started (never the
+        key: a secret stays out of the settings file). A value that does not read as its
+        field's (a hand edit) leaves that field at its default."""
+        qs = self._qsettings
+        if qs is None:
+            return
+        host, pages = qs.value(SERVER_KEYS["host"]), qs.value(SERVER_KEYS["web_pages"])
+        if isinstance(host, str) and host.strip():
+            self.host_edit.setText(host.strip())
+        try:
+            port = int(qs.value(SERVER_KEYS["port"], DEFAULT_PORT))
+        except (TypeError, ValueError):
+            port = DEFAULT_PORT
+        if 0 <= port <= 65535:
+            self.port_spin.setValue(port)
+        drafter = qs.value(SERVER_KEYS["drafter"])
+        if drafter in SERVER_DRAFTERS:
+            self.drafter_combo.setCurrentText(drafter)
+        if isinstance(pages, str):
+            self.origins_edit.setText(pages)
+
+    def _save_settings(self) -> None:
+        qs = self._qsettings
+        if qs is None:
+            return
+        qs.setValue(SERVER_KEYS["host"], self.host_edit.text().strip())
+        qs.setValue(SERVER_KEYS["port"], self.port_spin.value())
+        qs.setValue(SERVER_KEYS["drafter"], self.drafter_combo.currentText())
+        qs.setValue(SERVER_KEYS["web_pages"], self.origins_edit.text().strip())
 
     def stop_server(self) -> None:
         if self._server is None:

@@ -169,4 +169,23 @@ def test_server_panel_allows_the_web_pages_named(qtbot, make_gui, tiny_pair,
     assert allowed("https://chat.example") == "https://chat.example"
     assert allowed("http://localhost:3000") == "http://localhost:3000"
     assert allowed("http://other.example") is None
+    panel.drafter_combo.setCurrentText("ngram")
     panel.stop_server()
+    gui.window.save_state()
+    gui.close()
+
+    # the next run's panel opens with what the last server that started was given
+    again = make_gui(ChatSettings(target=str(tiny_pair[0]), drafter="off"))
+    restored = again.window.server_panel
+    assert restored.origins_edit.text() == "http://localhost:3000, https://chat.example"
+    assert restored.port_spin.value() == 0 and restored.key_edit.text() == ""  # no secret
+    assert restored.drafter_combo.currentText() == "auto"  # changed after it started
+    again.close()
+    # hand-damaged values leave their fields at the defaults, the rest is restored
+    again.qsettings.setValue("server/port", "eighty")
+    again.qsettings.setValue("server/drafter", "oracle")
+    again.qsettings.sync()
+    third = make_gui(ChatSettings(target=str(tiny_pair[0]), drafter="off"))
+    panel3 = third.window.server_panel
+    assert panel3.port_spin.value() == 1234 and panel3.drafter_combo.currentText() == "auto"
+    assert panel3.origins_edit.text() == "http://localhost:3000, https://chat.example"
