@@ -63,9 +63,11 @@ from app.ui.token_render import (
 from engine.events import Stats, Step
 
 COPIED_MS = 1500  # how long a card's Copy button reads "Copied"
-REGENERATE_TIP = "Generate this reply again"
+REGENERATE_TIP = ("Generate this reply again (what it repeats of this one is drafted from "
+                  "it, so it arrives faster)")
 # an earlier reply: what follows it was written from it, so it goes too
-REGENERATE_EARLIER_TIP = "Generate this reply again (replaces it and everything after it)"
+REGENERATE_EARLIER_TIP = ("Generate this reply again (replaces it and everything after it; "
+                          "what it repeats of this one is drafted from it)")
 
 STATUS_TEXT = {
     GENERATING: "generating…",
