@@ -23,8 +23,11 @@ class PredictionUse:
 
 def prediction_use(predicted: Sequence[int], reply: Sequence[int]) -> PredictionUse:
     """Tokens of `predicted` in the reply: the matching blocks of a diff of the two id
-    sequences (difflib's heuristic leaves out tokens frequent in a long reply, so on
-    long texts this may undercount a little, never overcount)."""
+    sequences. difflib's blocks are a heuristic, close to the longest common subsequence
+    but not it (on a 7k-token file with its indentation changed they counted 6,430 tokens;
+    without the junk heuristic, 5,850 and twice the time), and a long prediction takes a
+    while (200k tokens against a 7k-token reply: ~2.5 s), so callers on an event loop run
+    it off the loop."""
     if not predicted or not reply:
         return PredictionUse(0, len(predicted))
     blocks = SequenceMatcher(None, list(predicted), list(reply)).get_matching_blocks()

@@ -396,10 +396,12 @@ class _Reply:
                                   ": it stopped before the reply began")
         return None
 
-    def _prediction_use(self, finished: Finished) -> PredictionUse | None:
+    async def _prediction_use(self, finished: Finished) -> PredictionUse | None:
+        """How much of the prediction the reply wrote; a diff of a long prediction takes a
+        while, so it runs off the event loop, as the prompt's encoding does."""
         if self.predicted is None:
             return None
-        return prediction_use(self.predicted, finished.token_ids)
+        return await run_in_threadpool(prediction_use, self.predicted, finished.token_ids)
 
     def _extension(self, finished: Finished) -> dict[str, Any]:
         return final_extension(finished, self.job.options.drafter, self.steps_by_drafter)
@@ -422,7 +424,7 @@ class _Reply:
                     shown = replace(event, text=without_cut_mark(event.text))
                     return JSONResponse(build(self.job.job_id, self.created, self.job.model,
                                               shown, self._extension(event),
-                                              self._prediction_use(event)))
+                                              await self._prediction_use(event)))
                 elif isinstance(event, JobFailed):  # logged by the JobQueue already
                     err = ApiError(event.status if event.status < 499 else 500, event.message)
                     return JSONResponse(err.body(), status_code=err.status)
@@ -478,7 +480,7 @@ class _Reply:
                     # (OpenAI's shape), else on the finish chunk, so every stream reports
                     # it. Both would count it twice in clients that add up the usage of
                     # every chunk (LangChain's streamed usage_metadata does).
-                    total = usage(event.stats, self._prediction_use(event))
+                    total = usage(event.stats, await self._prediction_use(event))
                     yield make(None if req.endpoint == "chat" else "",
                                finish=finish_reason(event.stats),
                                usage_=None if req.include_usage else total,
