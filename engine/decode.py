@@ -260,8 +260,6 @@ class ChatSession:
         costs = None
         if options.k is None:
             costs = self._costs = self._costs or self._calibrate()
-        ngram = self._drafters["ngram"]
-        assert isinstance(ngram, NgramDrafter)
         # a reply with a reference learns apart: its lookup matches run into text the reply
         # was given, far surer than the context's, and must not teach the next reply so
         memory = self._policy_memory.setdefault(
@@ -269,7 +267,8 @@ class ChatSession:
         if self.head is not None and self.head.heldout_top1:
             # the head's first estimate is its held-out agreement from training
             memory.estimates.setdefault("head", AcceptanceEstimate(self.head.heldout_top1))
-        return DraftPolicy(mode, available, costs, options.k, ngram.match_with_length, memory)
+        return DraftPolicy(mode, available, costs, options.k, self._lookup.match_with_length,
+                           memory)
 
     def _calibrate(self) -> CostModel:
         """Measure pass costs once per model/draft/device/BLAS; cached on disk."""
@@ -380,9 +379,14 @@ class ChatSession:
         """Give prompt lookup the reply's reference text, at most a context window of it
         (a reply never outgrows the window, and the index grows with what it holds)."""
         ids = self.target.tokenizer.encode(text)[: self.context_window] if text else []
+        self._lookup.set_reference(n_prompt, ids)
+
+    @property
+    def _lookup(self) -> NgramDrafter:
+        """Prompt lookup, which every session has (the policy asks it for matches)."""
         ngram = self._drafters["ngram"]
         assert isinstance(ngram, NgramDrafter)
-        ngram.set_reference(n_prompt, ids)
+        return ngram
 
     def _drive(
         self,

@@ -206,10 +206,12 @@ def speculative_steps(
     carried: Choice | None = None  # the choice a pending read was made for, kept past it
     lookup = getattr(drafters.get("ngram"), "continued_with", None) if tree_extra else None
 
-    def held_by_tree(before: Sequence[int], token: int) -> bool:
-        """Whether prompt lookup's tree, drafted after `before`, had `token` in its first
-        layer (another earlier match continued with it)."""
-        return lookup is not None and lookup(before, token)
+    def held_by_tree(n: int, token: int) -> bool:
+        """Whether prompt lookup's tree, drafted after the first `n` context tokens, had
+        `token` in its first layer (another earlier match continued with it). The context
+        is sliced only where trees are on: a plain step runs this every time."""
+        return lookup is not None and lookup(
+            context if n == len(context) else context[:n], token)
 
     # whether the pending pass may have finished while the loop was not running (the
     # caller evaluated it, or held the loop): then a plain step times only its host work
@@ -225,7 +227,7 @@ def speculative_steps(
             tok, p = sample_next(pending, context, sampling)
             token, prob = int(tok.item()), float(p.item())
             pending = None
-            branched = held_by_tree(context, token)
+            branched = held_by_tree(len(context), token)
             guessed = policy.observe(token, branched)
             # A model's choice stands (lookup's guess says nothing of it: with one-token
             # matches lookup guesses at almost every step), and so does prompt lookup's
@@ -265,7 +267,7 @@ def speculative_steps(
                     pending = forward(model, [context[-1]], caches)[-1]
             before = len(context)
             token, prob, pending = pipelined_step(model, caches, pending, context, sampling)
-            policy.observe(token, held_by_tree(context[:before], token))
+            policy.observe(token, held_by_tree(before, token))
             t_end = clock()
             # only a step that found its logits pending, and still being computed, shows
             # the steady plain cost; none that traced a compiled function does either (its

@@ -17,7 +17,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-from engine.bench import BenchPrompt, load_prompts
+from engine.bench import BenchPrompt, Run, load_prompts, run_once
 
 MODES = ("plain", "drafter", "drafter+old reply")
 
@@ -41,7 +41,6 @@ def edited(messages: Sequence[dict], edit: str) -> list[dict]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from engine.decode import ChatSession, GenerateOptions
-    from engine.events import Finished
     from engine.loading import load_model
     from engine.sampling import SamplingParams
     from resources import resource_path
@@ -59,13 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = pick(load_prompts(Path(path)), args.per_category)
     session = ChatSession(load_model(args.model))
 
-    def reply(messages: list[dict], drafter: str, seed: int, reference: str = "") -> Finished:
-        options = GenerateOptions(max_tokens=args.max_tokens, drafter=drafter,
-                                  reference=reference, sampling=SamplingParams(
-                                      temperature=args.temperature, seed=seed))
-        finished = list(session.generate(messages, options))[-1]
-        assert isinstance(finished, Finished)
-        return finished
+    def reply(messages: list[dict], drafter: str, seed: int, reference: str = "") -> Run:
+        return run_once(session, messages, GenerateOptions(
+            max_tokens=args.max_tokens, drafter=drafter, reference=reference,
+            sampling=SamplingParams(temperature=args.temperature, seed=seed)))
 
     totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for p in prompts:

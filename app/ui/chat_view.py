@@ -34,6 +34,7 @@ from PySide6.QtWidgets import (
     QMessageBox,
     QPushButton,
     QScrollArea,
+    QScrollBar,
     QSizePolicy,
     QTextBrowser,
     QToolButton,
@@ -228,6 +229,12 @@ class TokenBrowser(QTextBrowser):
             fences = self._writer.fences
             return fences.code(index) if 0 <= index < len(fences.blocks) else None
         return self.code_blocks[index] if 0 <= index < len(self.code_blocks) else None
+
+
+def page_scroll(bar: QScrollBar, direction: int) -> None:
+    """Move `bar` a page down (+1) or up (-1), as Page Down/Up in the bar's own widget."""
+    bar.triggerAction(QScrollBar.SliderAction.SliderPageStepAdd if direction > 0
+                      else QScrollBar.SliderAction.SliderPageStepSub)
 
 
 def selected_text(cursor: QTextCursor) -> str:
@@ -582,9 +589,7 @@ class ChatView(QWidget):
 
     def scroll_page(self, direction: int) -> None:
         """Scroll the conversation a page up (-1) or down (+1): Page Up/Down in the composer."""
-        bar = self.scroll.verticalScrollBar()
-        bar.triggerAction(bar.SliderAction.SliderPageStepAdd if direction > 0
-                          else bar.SliderAction.SliderPageStepSub)
+        page_scroll(self.scroll.verticalScrollBar(), direction)
 
     def set_text_font(self, font: QFont) -> None:
         """The messages' font (View ▸ Zoom), for the cards shown and those to come: set on

@@ -28,7 +28,6 @@ from PySide6.QtWidgets import (
     QProgressBar,
     QPushButton,
     QScrollArea,
-    QScrollBar,
     QSplitter,
     QStackedWidget,
     QToolButton,
@@ -39,7 +38,7 @@ from PySide6.QtWidgets import (
 from app.hub.api import format_bytes
 from app.store import DEFAULT_TITLE, Message
 from app.ui import zoom
-from app.ui.chat_view import ChatView
+from app.ui.chat_view import ChatView, page_scroll
 from app.ui.comparison import ComparisonView
 from app.ui.composer import Composer
 from app.ui.controller import ChatController
@@ -389,10 +388,8 @@ class MainWindow(QMainWindow):
         if not self.comparison_mode:
             self.chat_view.scroll_page(direction)
             return
-        action = QScrollBar.SliderAction
         for pane in (self.comparison_view.speculative, self.comparison_view.plain):
-            pane.browser.verticalScrollBar().triggerAction(
-                action.SliderPageStepAdd if direction > 0 else action.SliderPageStepSub)
+            page_scroll(pane.browser.verticalScrollBar(), direction)
 
     def search_chats(self) -> None:
         """Edit ▸ Search Chats (Ctrl/⌘+F): the chat list's search field, its text selected

@@ -230,10 +230,15 @@ class FenceTracker:
         return before or self.in_code()
 
 
+def copy_anchor(index: int) -> str:
+    """A code block's Copy link (what `is_decoration` and the view's anchor handler know)."""
+    return f'<a href="{COPY_SCHEME}:{index}" style="font-size:small">Copy</a>'
+
+
 def copy_link(index: int) -> str:
     """The Copy link at the end of a code block's opening fence line (coloured mode)."""
     return (f'<a href="{COPY_SCHEME}:{index}" style="text-decoration:none">&nbsp;&nbsp;</a>'
-            f'<a href="{COPY_SCHEME}:{index}" style="font-size:small">Copy</a>')
+            f'{copy_anchor(index)}')
 
 
 class TokensHtml:
@@ -338,7 +343,7 @@ def code_block_html(code: str, lang: str, index: int, dark: bool) -> str:
         f'<table width="100%" cellspacing="0" cellpadding="8" '
         f'style="background-color:{bg}; border:1px solid {border}; margin-top:4px; margin-bottom:4px">'
         f'<tr><td><span style="color:{muted}; font-size:small" title="{CODE_LABEL_TIP}">'
-        f'{label}&nbsp;&nbsp;</span><a href="{COPY_SCHEME}:{index}" style="font-size:small">Copy</a>'
+        f'{label}&nbsp;&nbsp;</span>{copy_anchor(index)}'
         f'<pre style="font-family:{MONO}; margin:0; white-space:pre-wrap">{body}</pre>'
         "</td></tr></table>"
     )
