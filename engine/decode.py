@@ -257,6 +257,11 @@ class ChatSession:
                             "Chat ▸ Train a Drafter for This Model…; on the command line, `understudy "
                             f"train-drafter --model {name}`")
         available = tuple(self._drafters) if mode == "auto" else (mode,)
+        if options.reference and "ngram" not in available:
+            # the reference is what prompt lookup drafts from: a reply that names another
+            # drafter (a draft model, the head) takes lookup's copy where it has one and
+            # its own guesses elsewhere, or the text it was handed would speed nothing
+            available += ("ngram",)
         costs = None
         if options.k is None:
             costs = self._costs = self._costs or self._calibrate()

@@ -535,7 +535,12 @@ class DraftPolicy:
         return min(max(mine.factor, low), high), PROVEN_MARGIN
 
     def _candidates(self) -> tuple[str, ...]:
-        return self.available if self.mode == "auto" else (self.mode,)
+        """The drafters a step may use: all `available` ones under "auto"; otherwise the
+        one named, and prompt lookup where it is available beside it (a reply with a
+        reference text)."""
+        if self.mode == "auto":
+            return self.available
+        return (self.mode, *(n for n in self.available if n == "ngram" != self.mode))
 
     def _estimate_key(self, name: str, match_len: int) -> str:
         return f"ngram{min(max(match_len, 1), 4)}" if name == "ngram" else name

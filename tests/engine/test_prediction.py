@@ -10,10 +10,11 @@ import pytest
 
 from engine.decode import ChatSession, GenerateOptions
 from engine.errors import EngineError
-from engine.events import Finished
+from engine.events import Finished, Step
 from engine.loading import load_model
 from engine.prediction import PredictionUse, prediction_use
 from engine.sampling import SamplingParams
+from tests.fixtures.tiny_models import write_tiny_pair
 
 
 def test_prediction_use_counts_the_predicted_tokens_written_in_order() -> None:
@@ -50,3 +51,33 @@ def test_demo_regenerated_reply_drafts_from_the_old_one(demo_model_dir: Path) ->
     other = reply(session, "none", seed=6)
     assert other.text != first.text  # the control: the reference does not hold this one
     assert reply(session, "auto", seed=6, reference=first.text).text == other.text
+    # a reply naming another drafter takes lookup's copy beside it
+    named = reply(session, "layerskip", seed=5, reference=first.text)
+    assert named.text == first.text
+    assert named.stats.tau >= 3.0
+
+
+def test_a_reference_helps_a_reply_that_names_the_draft_model(tmp_path: Path) -> None:
+    """A regenerated reply (or a server `prediction`) on a model pair: the draft model's
+    guesses are weak, the reference's copy is right, and the reply takes both; without
+    lookup beside the named drafter the reference would speed nothing. (At T = 0.8 the tiny
+    target writes partial characters, whose text does not encode back to its ids: the
+    demo test below covers sampling.)"""
+    target, draft = write_tiny_pair(tmp_path)
+    session = ChatSession(load_model(str(target)), load_model(str(draft)))
+    messages = [{"role": "user", "content": "Hello world! The quick brown fox."}]
+
+    def run(drafter: str, reference: str = "") -> tuple[Finished, set[str]]:
+        options = GenerateOptions(max_tokens=40, drafter=drafter, reference=reference,
+                                  sampling=SamplingParams(temperature=0.0))
+        events = list(session.generate(messages, options))
+        assert isinstance(events[-1], Finished)
+        return events[-1], {e.drafter for e in events if isinstance(e, Step)}
+
+    plain, _ = run("none")
+    unaided, unaided_drafters = run("model")
+    helped, helped_drafters = run("model", reference=plain.text)
+    assert plain.text == unaided.text == helped.text
+    assert "ngram" not in unaided_drafters  # no reference: only the drafter named
+    assert "ngram" in helped_drafters
+    assert helped.stats.tau >= 2.0 * unaided.stats.tau
