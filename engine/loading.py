@@ -446,6 +446,7 @@ def load_weights(
         weights = _cpu_weights(weights, checked.quant)
     else:
         model = checked.stored
+    weights = model.sanitize(weights)
     _materialize(weights, on_progress)
     model.load_weights(list(weights.items()), strict=True)
     model.eval()

@@ -184,3 +184,41 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     if mx.default_device().type == mx.DeviceType.cpu:
         return cpu_attention(q, k, v, scale, mask)
     return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+
+def slide_window(k: mx.array, v: mx.array, mask: mx.array | str | None, n_new: int,
+                 positions: mx.array | None, window: int,
+                 ) -> tuple[mx.array, mx.array, mx.array | str | None]:
+    """Keys, values and mask of a sliding-window layer (Gemma's local layers): a row at
+    position p sees keys at positions above p - window only.
+
+    k/v hold every key, the pass's own `n_new` rows last; those rows sit at `positions` (a
+    draft tree's) or consecutively after the committed keys, the first right after them
+    either way, so committed keys more than `window` before it are out of every row's reach
+    and are cut off before the product: a long chat's local layers attend over about
+    `window` keys, not all of them. A one-row pass needs no mask after that cut; a wider
+    one gets the window folded into its own (causal, or a tree's ancestors).
+    """
+    n_keys = k.shape[2]
+    if n_keys <= window:  # no row sits `window` past any key
+        return k, v, mask
+    start = n_keys - n_new
+    lo = max(0, start - window + 1)
+    k, v = k[..., lo:, :], v[..., lo:, :]
+    if n_new == 1 and not isinstance(mask, mx.array):
+        return k, v, None
+    rows = (positions.astype(mx.int32) if positions is not None
+            else start + mx.arange(n_new, dtype=mx.int32))
+    keys = mx.concatenate([mx.arange(lo, start, dtype=mx.int32), rows])
+    near = keys[None, :] > (rows[:, None] - window)
+    if mask is None:
+        return k, v, near
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unknown attention mask {mask!r}")
+        causal = (lo + mx.arange(n_keys - lo))[None, :] <= (start + mx.arange(n_new))[:, None]
+        return k, v, near & causal
+    cut = mask[..., lo:]
+    if cut.dtype == mx.bool_:
+        return k, v, cut & near
+    return k, v, mx.where(near, cut, -mx.inf)

@@ -1,7 +1,14 @@
-"""One decoder-only transformer for llama, qwen2 and qwen3 checkpoints.
+"""One decoder-only transformer for llama, mistral, qwen2, qwen3 and gemma3 checkpoints.
 
-The three differ only in small switches read from `config.json`: qwen2 adds biases to the
-q/k/v projections, qwen3 normalises q and k per head, llama3 rescales RoPE frequencies.
+They differ only in switches read from `config.json`: qwen2 adds biases to the q/k/v
+projections, qwen3 normalises q and k per head, llama3 rescales RoPE frequencies. Gemma 3
+(`gemma3_text`, the text-only checkpoints such as gemma-3-270m and gemma-3-1b) adds more:
+embeddings scaled by sqrt(hidden_size), norms that multiply by 1 + weight (folded into the
+weights when they load, `Model.sanitize`), q/k norms, a norm after attention and around the
+MLP ("sandwich" norms), a tanh-approximated GELU, its own attention scale
+(`query_pre_attn_scalar`), and sliding-window layers: five of every six attend only to the
+last `sliding_window` positions, with their own RoPE base (`rope_local_base_freq`), while
+the sixth attends to everything with `rope_theta` (linearly scaled on the larger models).
 Module attribute names equal the checkpoint keys, so loading needs no rename table.
 """
 
@@ -16,12 +23,15 @@ import mlx.nn as nn
 
 from engine.cache import KVCache
 from engine.errors import ModelFormatError, UnsupportedModelError
-from engine.models.attention import attention
+from engine.models.attention import attention, slide_window
 from engine.models.rope import rope_table
 from engine.models.taps import Capture, FeatureTap, FeatureTaps
 from kernels import dispatch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+GEMMA_TYPES = ("gemma3_text",)
+# the RoPE scalings the decoder computes (`rope_frequencies`)
+ROPE_SCALINGS = (None, "default", "llama3", "linear")
 
 
 @dataclass
@@ -44,13 +54,23 @@ class ModelArgs:
     attention_bias: bool | None = None
     mlp_bias: bool = False
     sliding_window: int | None = None
+    # Gemma 3: attention scale query_pre_attn_scalar^-0.5; every `sliding_window_pattern`-th
+    # layer is global, the others slide (or `layer_types` names each layer); local RoPE base
+    query_pre_attn_scalar: float | None = None
+    sliding_window_pattern: int | None = None
+    layer_types: list[str] | None = None
+    rope_local_base_freq: float | None = None
+    hidden_activation: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
+            hint = (" — Gemma 3's vision-language checkpoints (4B and up) are not; its "
+                    "text-only ones (gemma-3-270m, gemma-3-1b) are"
+                    if self.model_type == "gemma3" else "")
             raise UnsupportedModelError(
                 f"config.json: model_type {self.model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}"
             )
         self._check_types()
         if self.num_key_value_heads is None:
@@ -59,6 +79,8 @@ class ModelArgs:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.attention_bias is None:
             self.attention_bias = self.model_type == "qwen2"
+        if self.is_gemma:
+            self._check_gemma()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelFormatError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a "
@@ -94,19 +116,80 @@ class ModelArgs:
             raise ModelFormatError(
                 f"config.json: rope_scaling must be an object or null, got {scaling!r}")
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind not in (None, "default", "llama3"):
+        if kind not in ROPE_SCALINGS:
             raise UnsupportedModelError(
                 f"config.json: rope_scaling type {kind!r} is not supported "
-                "(supported: default, llama3)")
-        if kind == "llama3" and not (_is_int(scaling.get("factor"))
-                                     or isinstance(scaling.get("factor"), float)):
+                "(supported: default, llama3, linear)")
+        factor = scaling.get("factor")
+        if kind in ("llama3", "linear") and not (
+                (_is_int(factor) or isinstance(factor, float)) and factor > 0):
             raise ModelFormatError(
-                f"config.json: rope_scaling.factor must be a number, got "
-                f"{scaling.get('factor')!r}")
+                f"config.json: rope_scaling.factor must be a positive number, got {factor!r}")
+
+    def _check_gemma(self) -> None:
+        """Gemma's own fields, each of its kind; the soft-capping Gemma 2 used is refused
+        rather than ignored (a model computed without it writes nonsense)."""
+        for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+            if self.extra.get(name) is not None:
+                raise UnsupportedModelError(
+                    f"config.json: {name} is not supported (Gemma 3 has none; got "
+                    f"{self.extra[name]!r})")
+        for name in ("query_pre_attn_scalar", "rope_local_base_freq"):
+            value = getattr(self, name)
+            if value is not None and not (
+                    (_is_int(value) or isinstance(value, float)) and value > 0):
+                raise ModelFormatError(
+                    f"config.json: {name} must be a positive number, got {value!r}")
+        for name in ("sliding_window", "sliding_window_pattern"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise ModelFormatError(
+                    f"config.json: {name} must be a positive integer, got {value!r}")
+        types = self.layer_types
+        if types is not None and (
+                not isinstance(types, list) or len(types) != self.num_hidden_layers
+                or any(t not in ("sliding_attention", "full_attention") for t in types)):
+            raise ModelFormatError(
+                "config.json: layer_types must list 'sliding_attention' or "
+                f"'full_attention' for each of the {self.num_hidden_layers} layers")
+        act = self.hidden_activation or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise UnsupportedModelError(
+                f"config.json: hidden_activation {act!r} is not supported "
+                "(supported: gelu_pytorch_tanh)")
+
+    @property
+    def is_gemma(self) -> bool:
+        return self.model_type in GEMMA_TYPES
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3"
+        return self.model_type == "qwen3" or self.is_gemma
+
+    @property
+    def attention_scale(self) -> float:
+        assert self.head_dim is not None
+        if self.is_gemma and self.query_pre_attn_scalar is not None:
+            return float(self.query_pre_attn_scalar) ** -0.5
+        return self.head_dim ** -0.5
+
+    def layer_window(self, i: int) -> int | None:
+        """How many positions layer i attends back over (itself included), or None for all."""
+        if not self.is_gemma or self.sliding_window is None:
+            return None
+        if self.layer_types is not None:
+            sliding = self.layer_types[i] == "sliding_attention"
+        else:
+            pattern = self.sliding_window_pattern or 6
+            sliding = (i + 1) % pattern != 0
+        return self.sliding_window if sliding else None
+
+    def layer_rope(self, i: int) -> tuple[float, dict[str, Any] | None]:
+        """(base, scaling) of layer i's RoPE: Gemma's sliding layers use their own base
+        and no scaling."""
+        if self.layer_window(i) is not None and self.rope_local_base_freq is not None:
+            return float(self.rope_local_base_freq), None
+        return self.rope_theta, self.rope_scaling
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> ModelArgs:
@@ -151,23 +234,29 @@ def _fold_rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def rope_frequencies(args: ModelArgs) -> mx.array | None:
-    """Per-dimension RoPE frequencies for llama3 scaling, else None (plain `base`)."""
-    scaling = args.rope_scaling or {}
+def rope_frequencies(args: ModelArgs, base: float | None = None,
+                     scaling: dict[str, Any] | None = None) -> mx.array | None:
+    """Per-dimension RoPE periods for llama3 or linear scaling, else None (plain `base`).
+    `base`/`scaling` default to the model's (`ModelArgs.layer_rope` gives a layer's)."""
+    if base is None:
+        base, scaling = args.rope_theta, args.rope_scaling
+    scaling = scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
-    if kind != "llama3":
-        raise UnsupportedModelError(f"config.json: rope_scaling type {kind!r} is not supported")
     dims = args.head_dim
     assert dims is not None
     factor = scaling["factor"]
+    if kind == "linear":  # positions divided by the factor: every period times it
+        return factor * base ** (mx.arange(0, dims, 2) / dims)
+    if kind != "llama3":
+        raise UnsupportedModelError(f"config.json: rope_scaling type {kind!r} is not supported")
     low = scaling.get("low_freq_factor", 1.0)
     high = scaling.get("high_freq_factor", 4.0)
     old_ctx = scaling.get("original_max_position_embeddings", 8192)
     low_wavelen = old_ctx / low
     high_wavelen = old_ctx / high
-    freqs = args.rope_theta ** (mx.arange(0, dims, 2) / dims)  # (dims/2,) as periods/2pi
+    freqs = base ** (mx.arange(0, dims, 2) / dims)  # (dims/2,) as periods/2pi
     wavelens = 2 * math.pi * freqs
     freqs = mx.where(wavelens > low_wavelen, freqs * factor, freqs)
     smooth = (old_ctx / wavelens - low) / (high - low)
@@ -238,13 +327,14 @@ class QuantizedLinear(nn.QuantizedLinear):
 
 
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
         assert args.head_dim is not None and args.num_key_value_heads is not None
         self.n_heads = args.num_attention_heads
         self.n_kv_heads = args.num_key_value_heads
         self.head_dim = args.head_dim
-        self.scale = args.head_dim**-0.5
+        self.scale = args.attention_scale
+        self.window = args.layer_window(layer)
         bias = bool(args.attention_bias)
         D = args.hidden_size
         self.q_proj = Linear(D, self.n_heads * self.head_dim, bias=bias)
@@ -254,8 +344,9 @@ class Attention(nn.Module):
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
-        self._freqs = rope_frequencies(args)
-        self._base = None if self._freqs is not None else args.rope_theta
+        base, scaling = args.layer_rope(layer)
+        self._freqs = rope_frequencies(args, base, scaling)
+        self._base = None if self._freqs is not None else base
         self._table = rope_table(self.head_dim, self._base, self._freqs)
 
     def __call__(
@@ -277,6 +368,8 @@ class Attention(nn.Module):
         q, k = self._rope(q, offset, positions), self._rope(k, offset, positions)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
+        if self.window is not None:
+            k, v, mask = slide_window(k, v, mask, L, positions, self.window)
         out = attention(q, k, v, self.scale, mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, heads * head_dim)
         return self.o_proj(out)
@@ -307,24 +400,34 @@ class MLP(nn.Module):
         self.gate_proj = Linear(D, H, bias=bias)
         self.up_proj = Linear(D, H, bias=bias)
         self.down_proj = Linear(H, D, bias=bias)
+        self._act = nn.gelu_approx if args.is_gemma else nn.silu
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(args)
+        D, eps = args.hidden_size, args.rms_norm_eps
+        self.self_attn = Attention(args, layer)
         self.mlp = MLP(args)
-        self.input_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
-        self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        self.input_layernorm = nn.RMSNorm(D, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(D, eps=eps)
+        if args.is_gemma:  # sandwich norms: after attention, and before and after the MLP
+            self.pre_feedforward_layernorm = nn.RMSNorm(D, eps=eps)
+            self.post_feedforward_layernorm = nn.RMSNorm(D, eps=eps)
 
     def __call__(
         self, x: mx.array, mask: mx.array | str | None = None, cache: KVCache | None = None,
         positions: mx.array | None = None,
     ) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), mask, cache, positions)
+        r = self.self_attn(self.input_layernorm(x), mask, cache, positions)
+        if "pre_feedforward_layernorm" in self:
+            h = x + self.post_attention_layernorm(r)
+            return h + self.post_feedforward_layernorm(
+                self.mlp(self.pre_feedforward_layernorm(h)))
+        h = x + r
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -332,8 +435,12 @@ class Backbone(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = [DecoderLayer(args) for _ in range(args.num_hidden_layers)]
+        self.layers = [DecoderLayer(args, i) for i in range(args.num_hidden_layers)]
         self.norm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
+        # Gemma scales its embeddings by sqrt(hidden_size), rounded to bfloat16 as its
+        # weights hold it (mlx-lm's choice too); the tied output layer reads them unscaled
+        self._embed_scale = (mx.array(args.hidden_size ** 0.5, mx.bfloat16).item()
+                             if args.is_gemma else None)
 
     def __call__(
         self,
@@ -348,6 +455,8 @@ class Backbone(nn.Module):
         `positions`: per-row RoPE positions (see `Attention`), with an explicit `mask`."""
         B, L = inputs.shape
         h = self.embed_tokens(inputs)  # (B, L, D)
+        if self._embed_scale is not None:
+            h = h * mx.array(self._embed_scale, h.dtype)
         if mask is None and L > 1:
             mask = "causal"
         layers = self.layers if n_layers is None else self.layers[:n_layers]
@@ -374,6 +483,14 @@ class Model(nn.Module):
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         # a plain object attribute (not a module child): taps are run-time state, no weights
         self.feature_taps = FeatureTaps()
+
+    def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
+        """Checkpoint tensors as this model computes with them: Gemma's norms multiply by
+        1 + weight, so the 1 is added here once (in the weight's dtype, as mlx-lm does at
+        every call) and every norm is a plain RMSNorm."""
+        if not self.args.is_gemma:
+            return weights
+        return {k: (1.0 + v if k.endswith("norm.weight") else v) for k, v in weights.items()}
 
     @property
     def column_major(self) -> bool:

@@ -18,6 +18,7 @@ import pytest
 from mlx.utils import tree_map
 
 from engine.cache import make_caches
+from engine.errors import EngineError
 from engine.loading import load_weights
 from engine.models import ModelArgs
 from engine.models.decoder import Linear, Model
@@ -51,6 +52,13 @@ CASES: dict[str, dict[str, Any]] = {
     "llama-sharded": {"model_type": "llama", "sharded": True, "tie": False},
     "llama-q4-sharded-extra-keys": {"model_type": "llama", "quantize": (32, 4),
                                     "sharded": True, "extra_keys": True},
+    # a sliding window of 8 on two of three layers: TOKENS cross it
+    "gemma3": {"model_type": "gemma3_text", "num_hidden_layers": 3},
+    "gemma3-linear-rope-untied": {"model_type": "gemma3_text", "num_hidden_layers": 3,
+                                  "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+                                  "tie": False},
+    "gemma3-q4-bf16": {"model_type": "gemma3_text", "num_hidden_layers": 3,
+                       "quantize": (32, 4), "dtype": "bfloat16"},
 }
 
 TOKENS = mx.array([[1, 17, 42, 299, 5, 77, 123, 2, 64, 9, 250, 33]])
@@ -125,7 +133,8 @@ def test_rope_parameters_config_matches_legacy_keys(
 
 @pytest.mark.parametrize(("case", "backend"), [
     ("llama-gqa-tied", "cpu"), ("llama3-rope-scaling", "cpu"), ("qwen2-bias", "cpu"),
-    ("qwen3-qk-norm", "cpu"), ("llama-q4", "metal"),
+    ("qwen3-qk-norm", "cpu"), ("llama-q4", "metal"), ("gemma3", "cpu"),
+    ("gemma3-q4-bf16", "metal"),
 ])
 def test_incremental_decoding_matches_full_forward(
     model_dirs: dict[str, Path], case: str, backend: str
@@ -163,6 +172,52 @@ def test_last_only_gives_the_last_rows_logits_and_fills_the_same_cache(
     assert [done for done, _ in chunked] == [4, 8, 12]
     assert chunked[-1][1].shape == (full.shape[-1],)
     assert rel_err(chunked[-1][1], full[0, -1]) < 1e-4
+
+
+def test_gemma_decodes_one_token_at_a_time_past_its_window(model_dirs: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    """Forty single-token steps, each attending over the last 8 positions on the sliding
+    layers (the keys before them cut off), give the full pass's logits; the window is
+    real: the same weights with a window wider than the text give other logits."""
+    import json
+    import shutil
+
+    tokens = mx.array([[*TOKENS[0].tolist()] * 4])[:, :40]
+    model, _ = load_weights(model_dirs["gemma3"], backend="cpu")
+    full = model(tokens)
+    caches = make_caches(model.n_layers, chunk=16)
+    steps = [model(tokens[:, t:t + 1], cache=caches) for t in range(tokens.shape[1])]
+    assert rel_err(mx.concatenate(steps, axis=1), full) < 1e-4
+    oracle, _ = mlx_lm_utils.load_model(model_dirs["gemma3"])
+    assert rel_err(full, oracle(tokens)) < 1e-4
+    wide = tmp_path / "wide"
+    shutil.copytree(model_dirs["gemma3"], wide)
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "sliding_window": 4096}))
+    unwindowed, _ = load_weights(wide, backend="cpu")
+    other = unwindowed(tokens)
+    assert rel_err(other[:, :8], full[:, :8]) < 1e-5  # the same until the window's edge
+    assert rel_err(other[:, 8:], full[:, 8:]) > 1e-3
+
+
+def test_gemma_config_errors_are_named() -> None:
+    base = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
+            "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 300}
+    for bad, message in (
+        ({"final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
+        ({"sliding_window": "512"}, "sliding_window must be a positive integer"),
+        ({"query_pre_attn_scalar": -1}, "query_pre_attn_scalar must be a positive number"),
+        ({"layer_types": ["full_attention"]}, "layer_types must list"),
+        ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "factor must be a positive"),
+    ):
+        with pytest.raises(EngineError, match=message):
+            ModelArgs.from_config({**base, **bad})
+    # layer_types, where given, says which layers slide
+    args = ModelArgs.from_config({**base, "sliding_window": 16,
+                                  "layer_types": ["full_attention", "sliding_attention"]})
+    assert (args.layer_window(0), args.layer_window(1)) == (None, 16)
+    assert ModelArgs.from_config({**base, "sliding_window": 16}).layer_window(5 % 2) == 16
 
 
 def test_quantized_layers_kept_or_dequantized(model_dirs: dict[str, Path]) -> None:
