@@ -27,6 +27,7 @@ from engine.errors import EngineError, ModelFormatError
 from engine.layout import choose_layout
 from engine.models import Model, ModelArgs
 from engine.models.decoder import product_modules, store_column_major
+from engine.models.text_part import text_model
 from engine.weights import (
     QuantSpec,
     TensorInfo,
@@ -368,9 +369,9 @@ class _Checked:
 def _check_checkpoint(folder: Path, backend: str) -> _Checked:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    config = read_config(folder)
+    # a vision-language checkpoint's text model, read as the model it is (Gemma 3 4B+)
+    config, all_tensors = text_model(read_config(folder), read_checkpoint(folder))
     block = quantization_block(config)
-    all_tensors = read_checkpoint(folder)
     args = _model_args(folder, config, all_tensors)
     tensors = {k: v for k, v in all_tensors.items() if not is_ignored(k)}
     if args.tie_word_embeddings:
@@ -440,7 +441,8 @@ def load_weights(
             loaded = mx.load(str(file))
         except (RuntimeError, ValueError, OSError) as e:
             raise ModelFormatError(f"{file}: cannot load ({e})") from e
-        weights.update({k: v for k, v in loaded.items() if k in checked.tensors})
+        weights.update({name: loaded[info.name] for name, info in checked.tensors.items()
+                        if info.file == file})
     if checked.plan.dequantize:
         model = Model(checked.args)
         weights = _cpu_weights(weights, checked.quant)

@@ -77,12 +77,11 @@ class AppEngineBackend:
     def _on_model_loaded(self, info: ModelInfo) -> None:
         if info is not self._controller.model:  # a draft model, not the target
             return
-        from engine.loading import read_config
         from engine.tokenizer import Tokenizer
 
         folder = Path(info.path)
+        window = info.context_window or 2048  # the model's own (a Gemma 3 VLM: text_config)
         try:
-            window = int(read_config(folder).get("max_position_embeddings", 2048))
             tokenizer = Tokenizer.from_folder(folder)
         except EngineError:
             self._card = None

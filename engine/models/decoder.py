@@ -1,4 +1,4 @@
-"""One decoder-only transformer for llama, mistral, qwen2, qwen3 and gemma3 checkpoints.
+"""One decoder-only transformer for llama, mistral, qwen2, qwen3 and Gemma 3 checkpoints.
 
 They differ only in switches read from `config.json`: qwen2 adds biases to the q/k/v
 projections, qwen3 normalises q and k per head, llama3 rescales RoPE frequencies. Gemma 3
@@ -28,7 +28,10 @@ from engine.models.rope import rope_table
 from engine.models.taps import Capture, FeatureTap, FeatureTaps
 from kernels import dispatch
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# config.json model types the loader reads: these, and Gemma 3's vision-language
+# checkpoints, whose text model is a gemma3_text (`engine.models.text_part`)
+SUPPORTED_MODEL_TYPES = (*DECODER_TYPES, "gemma3")
 GEMMA_TYPES = ("gemma3_text",)
 # the RoPE scalings the decoder computes (`rope_frequencies`)
 ROPE_SCALINGS = (None, "default", "llama3", "linear")
@@ -64,13 +67,10 @@ class ModelArgs:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            hint = (" — Gemma 3's vision-language checkpoints (4B and up) are not; its "
-                    "text-only ones (gemma-3-270m, gemma-3-1b) are"
-                    if self.model_type == "gemma3" else "")
+        if self.model_type not in DECODER_TYPES:
             raise UnsupportedModelError(
                 f"config.json: model_type {self.model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}){hint}"
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         self._check_types()
         if self.num_key_value_heads is None:

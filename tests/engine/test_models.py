@@ -8,6 +8,7 @@ policy runs them in float32.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -198,6 +199,42 @@ def test_gemma_decodes_one_token_at_a_time_past_its_window(model_dirs: dict[str,
     other = unwindowed(tokens)
     assert rel_err(other[:, :8], full[:, :8]) < 1e-5  # the same until the window's edge
     assert rel_err(other[:, 8:], full[:, 8:]) > 1e-3
+
+
+@pytest.mark.parametrize(("layout", "kw"), [("original", {}), ("transformers", {}),
+                                           ("original", {"quantize": (32, 4)})],
+                         ids=["original", "transformers", "original-q4"])
+def test_gemma3_vision_language_checkpoint_reads_its_text_model(
+        tmp_path: Path, layout: str, kw: dict[str, Any]) -> None:
+    """Gemma 3 4B+ ship as one image-and-text model: its decoder, under `text_config`
+    and a tensor prefix, is the same gemma3_text model (the same logits as the text-only
+    checkpoint of the same weights, and mlx-lm's where it reads the layout), image parts
+    unread, Gemma 3's defaults filled in where the config leaves fields out."""
+    from tests.fixtures.tiny_models import write_tiny_gemma3_vlm
+
+    text = write_tiny_model(tmp_path / "text", "gemma3_text", num_hidden_layers=3, **kw)
+    wrapped = write_tiny_gemma3_vlm(tmp_path / "vlm", layout, num_hidden_layers=3, **kw)
+    config = json.loads((wrapped / "config.json").read_text())
+    assert config["model_type"] == "gemma3" and "rms_norm_eps" not in config["text_config"]
+    ours, _ = load_weights(wrapped, backend="cpu")
+    plain, _ = load_weights(text, backend="cpu")
+    assert ours.args.model_type == "gemma3_text" and ours.args.rms_norm_eps == 1e-6
+    assert ours.args.layer_window(2) is None and ours.args.layer_window(1) == 8
+    # (to float32 rounding: each load times which matrix layout to hold)
+    assert rel_err(ours(TOKENS), plain(TOKENS)) < 1e-5
+    if layout == "original":  # the layout mlx-lm's gemma3 reads
+        assert rel_err(ours(TOKENS), oracle_logits(wrapped, upcast=True)) < 1e-4
+
+
+def test_a_gemma3_wrapper_without_its_text_config_is_named(tmp_path: Path) -> None:
+    from tests.fixtures.tiny_models import write_tiny_gemma3_vlm
+
+    wrapped = write_tiny_gemma3_vlm(tmp_path / "vlm", num_hidden_layers=3)
+    config = json.loads((wrapped / "config.json").read_text())
+    del config["text_config"]
+    (wrapped / "config.json").write_text(json.dumps(config))
+    with pytest.raises(EngineError, match="'gemma3' needs a text_config object"):
+        load_weights(wrapped, backend="cpu")
 
 
 def test_gemma_config_errors_are_named() -> None:
