@@ -59,3 +59,21 @@ def test_a_gemma_target_drafting_for_itself_has_every_draft_accepted(
     assert spec.token_ids == plain.token_ids
     assert all(s.n_accepted == s.k for s in steps[1:-1])
     assert spec.stats.tau > 4.0
+
+
+def test_the_text_size_drafts_for_the_image_and_text_size(tmp_path: Path) -> None:
+    """Gemma 3 12B (an image-and-text checkpoint, its embedding padded past the shared
+    tokenizer) drafted for by the 1B (text only): the pair is accepted and the text is
+    plain decoding's."""
+    from tests.fixtures.tiny_models import write_tiny_gemma3_vlm, write_tiny_model
+
+    target = write_tiny_gemma3_vlm(tmp_path / "big", num_hidden_layers=3, vocab_size=320)
+    draft = write_tiny_model(tmp_path / "small", "gemma3_text", num_hidden_layers=1,
+                             hidden_size=32, intermediate_size=64, seed=1)
+    session = ChatSession(load_model(str(target)), load_model(str(draft)))
+    assert session.target.model.args.vocab_size == 320
+    for temperature in (0.0, 0.8):
+        sampling = SamplingParams(temperature=temperature, seed=9)
+        _, plain = reply(session, sampling=sampling)
+        _, spec = reply(session, sampling=sampling, drafter="model", k=3)
+        assert spec.token_ids == plain.token_ids
