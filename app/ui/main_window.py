@@ -756,6 +756,7 @@ class MainWindow(QMainWindow):
         self.stop_server()
         if self._models_controller is not None:
             self._models_controller.shutdown()
+        self.settings_panel.shutdown()
         self.controller.close()
         super().closeEvent(event)
 
