@@ -130,7 +130,8 @@ def test_every_token_kind_is_styled_with_tooltip(qtbot, make_gui, tiny_pair) -> 
 
     def record(_m, step: Step, _s) -> None:
         produced.update(t.kind for t in step.tokens)
-        visible.update(t.kind for t in step.tokens if t.text)
+        # a ghost always shows: a stray-byte square where it holds part of a character
+        visible.update(t.kind for t in step.tokens if t.text or t.kind is TokenKind.REJECTED)
 
     gui.controller.step_received.connect(record)
     gui.controller.send("The cat sat on the mat.")
