@@ -36,7 +36,7 @@ from engine.drafters.layerskip import LayerSkipDrafter
 from engine.drafters.model import ModelDrafter
 from engine.drafters.ngram import NgramDrafter
 from engine.errors import EngineError, HeadError, IncompatibleDraftError, PromptError
-from engine.events import Finished, PromptProgress, Stats, Step, Token
+from engine.events import CUT_MARK, Finished, PromptProgress, Stats, Step, Token
 from engine.loading import LoadedModel
 from engine.models.taps import FeatureTap
 from engine.paths import cache_dir
@@ -45,6 +45,7 @@ from engine.sampling import SamplingParams
 from engine.speculative import speculative_steps
 from engine.steps import RawStep, plain_steps, prefill
 from engine.stopping import StopMatcher
+from engine.tokenizer import StreamingDetokenizer
 from engine.training.online import OnlineBuffer, OnlineRecorder
 from engine.tuning import K_MAX, AcceptanceEstimate, CostModel, DraftPolicy, PolicyMemory
 
@@ -417,12 +418,20 @@ class ChatSession:
                 blas_threads.tick()
                 tokens: list[Token] = []
                 eos_token: Token | None = None
+                ghost: tuple[str, StreamingDetokenizer] | None = None  # (branch, its text)
                 branches = raw.branches or [""] * len(raw.ids)
                 for tid, kind, prob, branch in zip(raw.ids, raw.kinds, raw.probs, branches,
                                                    strict=True):
                     if not kind.committed:
-                        tokens.append(Token(tid, tok.token_text(tid), kind, prob, branch))
+                        if ghost is None or ghost[0] != branch:
+                            # decoded on from the reply (special tokens shown), so a byte
+                            # token that completes a character reads as it, and one that
+                            # only begins it reads "" (alone each read U+FFFD)
+                            ghost = (branch, detok.fork(tok.decode))
+                        text = ghost[1].add(tid).replace(CUT_MARK, "")
+                        tokens.append(Token(tid, text, kind, prob, branch))
                         continue
+                    ghost = None
                     if tid in eos:
                         finish = "eos"
                         eos_token = Token(tid, "", kind, prob)

@@ -40,7 +40,9 @@ class Token:
     """One token as the user sees it.
 
     `text` is the exact text this token adds to the reply (empty while a multi-byte
-    character is incomplete; the completing token carries it). `prob` is the target's
+    character is incomplete; the completing token carries it); a rejected token's is what
+    it would have added after the tokens before it in its step, likewise never half a
+    character (`StreamingDetokenizer.fork`). `prob` is the target's
     probability of this token (None where it was not computed). `branch` names the draft
     tree branch a rejected token came from, e.g. "branch 2 of 3, diverged at depth 1" ("" for
     committed tokens and a chain's rejected ones).

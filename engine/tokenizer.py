@@ -135,6 +135,16 @@ class StreamingDetokenizer:
         self._prefix_text = self._decode(self._ids)
         return new
 
+    def fork(self, decode: Callable[[list[int]], str]) -> StreamingDetokenizer:
+        """A copy that goes on from here with `decode`, this one left as it is: a rejected
+        draft branch decoded after the text it hangs from, so a token that completes a
+        character begun before it (by the reply, or by the branch) reads as that character,
+        not as U+FFFD."""
+        other = StreamingDetokenizer(decode)
+        other._ids, other._n_prefix = list(self._ids), self._n_prefix
+        other._prefix_text = decode(self._ids[:self._n_prefix])
+        return other
+
     def flush(self) -> str:
         """Return whatever is still held back (even an incomplete character) and reset."""
         text = self._decode(self._ids)[len(self._prefix_text):] if self._ids else ""

@@ -1,15 +1,18 @@
 """Which models the settings panel offers, and which drafts can pair with the target.
 
-Reads folders only (config.json, tokenizer.json): no MLX, so the GUI thread may call it.
-A draft must share the target's tokenizer exactly, since draft token ids are checked by
-the target as its own ids; `engine.compat` decides, and a pairing that fails says why,
-for the hover text.
+Reads folders only (config.json, tokenizer.json): no MLX. A draft must share the target's
+tokenizer exactly, since draft token ids are checked by the target as its own ids;
+`engine.compat` decides, and a pairing that fails says why, for the hover text. Listing
+models and `draft_pairing` are cheap enough for the GUI thread; `check_pairing` parses
+both tokenizer.json files (a 150k-token vocabulary's is 10+ MB, long enough to freeze a
+window), so the app runs it on a worker thread (`app.ui.draft_check`).
 """
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from engine.compat import Compatibility, check_draft_compatible
@@ -90,17 +93,20 @@ def _stamp(folder: Path) -> tuple[float, ...]:
     return tuple(out)
 
 
-@lru_cache(maxsize=256)
-def _compatibility(target: Path, target_stamp: tuple[float, ...], draft: Path,
-                   draft_stamp: tuple[float, ...]) -> Compatibility:
-    return check_draft_compatible(target, draft)
+@dataclass(frozen=True)
+class Pairing:
+    """A target/draft pair as the tokenizer comparison sees it: resolved folders and the
+    modification times of the files it reads, so an edited file is compared again."""
+
+    target: Path
+    target_stamp: tuple[float, ...]
+    draft: Path
+    draft_stamp: tuple[float, ...]
 
 
-def draft_incompatibility(target: Path | None, draft: ModelChoice) -> str | None:
-    """Why `draft` cannot draft for the model in `target`, or None when it can.
-
-    The tokenizer comparison is `engine.compat.check_draft_compatible` (cached per file
-    modification times, since the picker asks again on every refresh).
+def draft_pairing(target: Path | None, draft: ModelChoice) -> Pairing | str:
+    """The tokenizer comparison that decides whether `draft` can draft for `target`, or
+    why it cannot from the folders alone. Cheap (a few `stat`s): the GUI thread calls it.
     """
     if draft.path is None:
         return "not imported yet: load it once as the target first"
@@ -109,5 +115,36 @@ def draft_incompatibility(target: Path | None, draft: ModelChoice) -> str | None
     if draft.path.resolve() == target.resolve():
         return "this is the target model itself: a draft must be a smaller, faster model"
     t, d = target.resolve(), draft.path.resolve()
-    verdict = _compatibility(t, _stamp(t), d, _stamp(d))
+    return Pairing(t, _stamp(t), d, _stamp(d))
+
+
+# verdicts by pairing, oldest first; the picker asks again on every refresh, and parsing a
+# large tokenizer.json takes seconds
+_verdicts: OrderedDict[Pairing, Compatibility] = OrderedDict()
+_verdicts_lock = threading.Lock()
+MAX_VERDICTS = 256
+
+
+def known_verdict(pairing: Pairing) -> Compatibility | None:
+    """The verdict already made for `pairing`, or None: never reads a tokenizer."""
+    with _verdicts_lock:
+        return _verdicts.get(pairing)
+
+
+def check_pairing(pairing: Pairing) -> Compatibility:
+    """Compare the two tokenizers (`engine.compat.check_draft_compatible`) and keep the
+    verdict. Reads both tokenizer.json files, so it belongs off the GUI thread."""
+    known = known_verdict(pairing)
+    if known is not None:
+        return known
+    verdict = check_draft_compatible(pairing.target, pairing.draft)
+    with _verdicts_lock:
+        _verdicts[pairing] = verdict
+        while len(_verdicts) > MAX_VERDICTS:
+            _verdicts.popitem(last=False)
+    return verdict
+
+
+def incompatibility(verdict: Compatibility) -> str | None:
+    """A verdict as the picker's hover text: the reasons, or None when the pair can draft."""
     return None if verdict.ok else "; ".join(verdict.reasons)

@@ -35,7 +35,11 @@ def usage(stats: Stats, prediction: PredictionUse | None = None) -> dict[str, An
 
 
 def step_extension(step: Step) -> dict[str, Any]:
-    """Every token of one target pass with its fate (rejected ones are never in `content`)."""
+    """Every token of one target pass with its fate (rejected ones are never in `content`).
+
+    A token's `text` is never half a character: one that holds only part of a character
+    has "" and the one completing it carries it (`engine.events.Token`), so a client that
+    joins texts, or a rejected branch's, shows no U+FFFD."""
     return {"tokens": [{"id": t.id, "text": t.text, "kind": t.kind.value} for t in step.tokens],
             "drafted": step.n_drafted, "accepted": step.n_accepted, "drafter": step.drafter}
 

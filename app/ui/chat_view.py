@@ -511,6 +511,10 @@ class ChatView(QWidget):
         self.column_layout.insertWidget(0, self.empty_label)
         self.earlier_button = QPushButton("Show Earlier Messages")
         self.earlier_button.setObjectName("earlierButton")
+        # its text changes with the count: the name stays, the count is the description
+        self.earlier_button.setAccessibleName("Show earlier messages")
+        # Enter presses it too: outside a dialog a push button takes only Space
+        self.earlier_button.setAutoDefault(True)
         self.earlier_button.clicked.connect(self.show_earlier)
         self.earlier_button.hide()
         self.column_layout.insertWidget(0, self.earlier_button, 0, Qt.AlignmentFlag.AlignHCenter)
@@ -666,7 +670,18 @@ class ChatView(QWidget):
         cards = [self._new_card(m) for m in batch]
         for i, card in enumerate(cards):
             self.column_layout.insertWidget(at + i, card)
+            # now, not a moment later as for a widget added to a shown layout: Tab (and
+            # Qt passing the focus on from the button) skips widgets not shown yet
+            card.show()
         self.cards[:0] = cards
+        # Tab goes from the button to the messages it brought, oldest first (they joined
+        # the end of the window's chain: after the side panel)
+        self._chain_after(self.earlier_button, cards)
+        if not self.earlier and self.earlier_button.hasFocus():
+            # the button goes: the keyboard moves to the oldest message, where Tab would
+            # have gone next, and the view scrolls to it
+            cards[0].focus_order()[0].setFocus(Qt.FocusReason.TabFocusReason)
+            self._anchor = (cards[0], self.column_layout.contentsMargins().top())
         self._update_earlier()
         self._place_context_divider()
         self._update_continue()
@@ -675,6 +690,9 @@ class ChatView(QWidget):
         n = len(self.earlier)
         self.earlier_button.setText(
             f"Show Earlier Messages ({n} more)" if n != 1 else "Show Earlier Message")
+        self.earlier_button.setAccessibleDescription(
+            f"{n} earlier messages are not shown" if n != 1 else
+            "1 earlier message is not shown")
         self.earlier_button.setVisible(bool(n))
 
     def _update_continue(self) -> None:
@@ -729,12 +747,18 @@ class ChatView(QWidget):
         self.column_layout.insertWidget(self.column_layout.count() - 1, card)
         # Tab reaches the card after the one above it, before the composer (a new widget
         # joins the end of the window's chain: after the side panel)
-        previous = self.cards[-1].focus_order()[-1] if self.cards else self.scroll
-        for widget in card.focus_order():
-            QWidget.setTabOrder(previous, widget)
-            previous = widget
+        self._chain_after(self.cards[-1].focus_order()[-1] if self.cards
+                          else self.earlier_button, [card])
         self.cards.append(card)
         return card
+
+    @staticmethod
+    def _chain_after(previous: QWidget, cards: list[MessageCard]) -> None:
+        """Put `cards`' Tab stops, in order, right after `previous` in the window's chain."""
+        for card in cards:
+            for widget in card.focus_order():
+                QWidget.setTabOrder(previous, widget)
+                previous = widget
 
     def _update_empty(self) -> None:
         self.empty_label.setVisible(not self.cards)

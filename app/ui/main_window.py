@@ -239,13 +239,14 @@ class MainWindow(QMainWindow):
 
     def _set_tab_order(self) -> None:
         """Tab goes through the window as it reads, left to right: the chat list, the
-        chat's header and toggles, the messages (`ChatView` puts each card's in place), the
-        composer, the side panel. Qt's own order followed when widgets were parented, and
+        chat's header and toggles, Show Earlier Messages, the messages (`ChatView` puts
+        each card's in place), the composer, the side panel. Qt's own order followed when widgets were parented, and
         went from the composer to the side panel, then to the messages and the chat list."""
         cv, comp = self.comparison_view, self.composer
         chain = [self.sidebar.new_button, self.sidebar.search_edit, self.sidebar.list_view,
                  self.compare_button, self.chat_view.rejected_box,
-                 self.chat_view.speculation_box, self.chat_view.scroll, cv.replay_button,
+                 self.chat_view.speculation_box, self.chat_view.scroll,
+                 self.chat_view.earlier_button, cv.replay_button,
                  cv.speculative.browser, cv.plain.browser, comp.cancel_edit_button, comp.edit,
                  comp.send_button, comp.stop_button, self.side_panel]
         for first, second in zip(chain, chain[1:], strict=False):
@@ -756,6 +757,7 @@ class MainWindow(QMainWindow):
         self.stop_server()
         if self._models_controller is not None:
             self._models_controller.shutdown()
+        self.settings_panel.shutdown()
         self.controller.close()
         super().closeEvent(event)
 

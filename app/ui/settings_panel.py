@@ -4,7 +4,9 @@ Every edit becomes a new `ChatSettings` handed to the controller; the next reply
 stores it with the message. Draft models the target cannot use stay listed but disabled,
 with the reason on hover. Both pickers end with "Choose a folder…", for a model folder
 anywhere on disk; a draft folder chosen there that cannot draft for the target (the
-tokenizer check a reply makes, from its tokenizer files) is refused there and then.
+tokenizer check a reply makes, from its tokenizer files) is refused there and then. That
+check reads both tokenizer.json files, so it runs on `DraftChecker`'s thread: an entry
+being checked is greyed out and says so, and is updated when the verdict arrives.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.hub.model_choices import ModelChoice, available_models, draft_incompatibility
+from app.hub.model_choices import ModelChoice, available_models
 from app.ui.controller import ChatController
+from app.ui.draft_check import CHECKING, DraftChecker
 from app.ui.worker import DRAFTER_MODES, REPEAT_PENALTY_RANGE, ChatSettings, ModelInfo
 from engine.choices import ACCEPT_RULES, TREE_MODES
 from engine.tuning import K_MAX
@@ -61,6 +64,9 @@ CANNOT_DRAFT = "Cannot draft for this target: "
 DRAFT_MODEL_HELP = "The model that drafts for the model and auto drafters"
 CHOOSE_FOLDER = "Choose a folder…"
 CHOOSE = "\x00choose-folder"  # the item data of CHOOSE_FOLDER, never a model spec
+CHOICE_ROLE = Qt.ItemDataRole.UserRole + 1  # a draft entry's ModelChoice
+CHECKING_HELP = "Checking that it shares the target's tokenizer…"
+CHECKING_LABEL = " (checking…)"
 
 
 class SettingsPanel(QWidget):
@@ -72,6 +78,9 @@ class SettingsPanel(QWidget):
         self._target_path: Path | None = None
         self._target_note = ("", "")  # the status row's text and tooltip for the target
         self._updating = False
+        self._chosen_draft: ModelChoice | None = None  # a chosen folder awaiting its check
+        self._checker = DraftChecker(self)
+        self._checker.verdict_arrived.connect(self._on_verdict_arrived)
 
         self.target_combo = QComboBox()
         self.draft_combo = QComboBox()
@@ -260,18 +269,25 @@ class SettingsPanel(QWidget):
         for choice in available_models(extra=extra):
             item = QStandardItem(choice.label)
             item.setData(choice.spec, Qt.ItemDataRole.UserRole)
-            reason = draft_incompatibility(self._target_path, choice)
-            if reason:
-                item.setEnabled(False)
-                item.setToolTip(f"{CANNOT_DRAFT}{reason}")
-            else:
-                item.setToolTip(str(choice.path))
+            item.setData(choice, CHOICE_ROLE)
+            self._show_pairing(item)
             self.draft_model.appendRow(item)
         choose = QStandardItem(CHOOSE_FOLDER)
         choose.setData(CHOOSE, Qt.ItemDataRole.UserRole)
         choose.setToolTip("A model folder (config.json, tokenizer.json, *.safetensors)")
         self.draft_model.appendRow(choose)
         _select(self.draft_combo, current)
+
+    def _show_pairing(self, item: QStandardItem) -> None:
+        """Enable a draft entry, or disable it with why (or "checking…" until known)."""
+        choice: ModelChoice = item.data(CHOICE_ROLE)
+        reason = self._checker.reason(self._target_path, choice)
+        item.setText(choice.label + (CHECKING_LABEL if reason == CHECKING else ""))
+        item.setEnabled(reason is None)
+        if reason is None:
+            item.setToolTip(str(choice.path))
+        else:
+            item.setToolTip(CHECKING_HELP if reason == CHECKING else f"{CANNOT_DRAFT}{reason}")
 
     def refresh_models(self) -> None:
         """Re-read the model lists (after a download, import or delete), keeping the choice."""
@@ -284,7 +300,8 @@ class SettingsPanel(QWidget):
             self._updating = False
 
     def draft_reason(self, spec: str) -> str | None:
-        """The hover text of a draft entry, or None when it is selectable."""
+        """The hover text of a draft entry, or None when it is selectable (`CHECKING_HELP`
+        while its tokenizer is being compared with the target's)."""
         for row in range(self.draft_model.rowCount()):
             item = self.draft_model.item(row)
             if item.data(Qt.ItemDataRole.UserRole) == spec:
@@ -313,8 +330,8 @@ class SettingsPanel(QWidget):
         self.draft_combo.setToolTip(reason if refused else DRAFT_MODEL_HELP)
         if reason is None:
             item.setToolTip(DRAFTER_HELP["model"])
-        elif reason == NO_DRAFT_HELP:
-            item.setToolTip(NO_DRAFT_HELP)
+        elif reason in (NO_DRAFT_HELP, CHECKING_HELP):
+            item.setToolTip(reason)
         else:
             why = reason.removeprefix(CANNOT_DRAFT)
             item.setToolTip(f"Pick another draft model: the chosen one cannot draft for this "
@@ -337,31 +354,58 @@ class SettingsPanel(QWidget):
         self._sync_enabled()
         self.controller.set_settings(self.settings())
 
-    def choose_folder(self, role: str) -> str | None:
-        """Ask for a model folder and use it as the "target" or "draft"; returns its path."""
+    def choose_folder(self, role: str) -> None:
+        """Ask for a model folder and use it as the "target" or "draft" (a draft once its
+        tokenizer check has passed)."""
         title = "Choose a target model folder" if role == "target" else \
             "Choose a draft model folder"
         chosen = QFileDialog.getExistingDirectory(self, title)
         if not chosen:
-            return None
+            return
         if not (Path(chosen) / "config.json").is_file():
             self.model_status.setText(f"{chosen}: not a model folder (it has no config.json)")
-            return None
-        if role == "draft" and self._target_path is not None:
+            return
+        current = self.controller.settings
+        if role == "target":
+            self.controller.set_settings(replace(current, target=chosen))
+        elif self._target_path is None:
+            self.controller.set_settings(replace(current, draft=chosen))
+        else:
             # the tokenizer check a reply would make (tokenizer files only, no weights), so
             # a draft that cannot draft is refused here, not when a message is sent
-            reason = draft_incompatibility(
-                self._target_path, ModelChoice(chosen, Path(chosen).name, Path(chosen)))
-            if reason:  # the row has room for a line or two: the reasons go on hover
-                self.model_status.setText(f"{Path(chosen).name} cannot draft for this target")
-                self.model_status.setToolTip(f"{CANNOT_DRAFT}{reason}")
-                return None
-            self.model_status.setText(self._target_note[0])  # a refusal said before is over
-            self.model_status.setToolTip(self._target_note[1])
-        current = self.controller.settings
-        self.controller.set_settings(replace(current, target=chosen) if role == "target"
-                                     else replace(current, draft=chosen))
-        return chosen
+            self._chosen_draft = ModelChoice(chosen, Path(chosen).name, Path(chosen))
+            self._use_chosen_draft()
+
+    def _use_chosen_draft(self) -> None:
+        """Take the draft folder chosen, or refuse it, once its tokenizer check has ended."""
+        choice = self._chosen_draft
+        if choice is None:
+            return
+        reason = self._checker.reason(self._target_path, choice)
+        if reason == CHECKING:
+            self.model_status.setText(f"Checking {choice.label}…")
+            self.model_status.setToolTip(CHECKING_HELP)
+            return
+        self._chosen_draft = None
+        if reason:  # the row has room for a line or two: the reasons go on hover
+            self.model_status.setText(f"{choice.label} cannot draft for this target")
+            self.model_status.setToolTip(f"{CANNOT_DRAFT}{reason}")
+            return
+        self.model_status.setText(self._target_note[0])  # a refusal said before is over
+        self.model_status.setToolTip(self._target_note[1])
+        self.controller.set_settings(replace(self.controller.settings, draft=choice.spec))
+
+    def _on_verdict_arrived(self) -> None:
+        for row in range(self.draft_model.rowCount()):
+            item = self.draft_model.item(row)
+            if item.data(CHOICE_ROLE) is not None:
+                self._show_pairing(item)
+        self._sync_model_drafter()
+        self._use_chosen_draft()
+
+    def shutdown(self) -> None:
+        """The window is closing: stop the tokenizer checks' thread."""
+        self._checker.shutdown()
 
     def _on_settings_changed(self, settings: ChatSettings) -> None:
         if settings != self.settings():  # changed elsewhere (menu, test, restore)

@@ -130,7 +130,8 @@ def test_every_token_kind_is_styled_with_tooltip(qtbot, make_gui, tiny_pair) -> 
 
     def record(_m, step: Step, _s) -> None:
         produced.update(t.kind for t in step.tokens)
-        visible.update(t.kind for t in step.tokens if t.text)
+        # a ghost always shows: a stray-byte square where it holds part of a character
+        visible.update(t.kind for t in step.tokens if t.text or t.kind is TokenKind.REJECTED)
 
     gui.controller.step_received.connect(record)
     gui.controller.send("The cat sat on the mat.")
@@ -669,8 +670,9 @@ def test_draft_list_disables_incompatible_models(qtbot, make_gui, tiny_pair, tmp
     gui = make_gui(spec_settings(target, draft))
     qtbot.waitUntil(lambda: gui.controller.model is not None, timeout=TIMEOUT)
     panel = gui.window.settings_panel
-    assert panel.draft_reason(str(draft)) is None
-    assert "target model itself" in panel.draft_reason(str(target))
+    assert "target model itself" in panel.draft_reason(str(target))  # known from the folders
+    # the draft's tokenizer is compared with the target's on another thread
+    qtbot.waitUntil(lambda: panel.draft_reason(str(draft)) is None, timeout=TIMEOUT)
 
 
 def test_window_state_and_settings_persist(qtbot, make_gui, tiny_pair) -> None:

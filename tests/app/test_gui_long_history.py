@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QApplication
+
 from app.store import COMPLETE, Message, Store
 from app.ui.chat_paging import batch_start
 from app.ui.chat_view import TokenBrowser
@@ -133,6 +136,54 @@ def test_a_long_conversation_opens_at_its_newest_messages(qtbot, make_gui, tiny_
     bar.setValue(0)
     qtbot.waitUntil(lambda: bar.value() == 0)
     gui.window.grab().save(str(screenshots_dir / "long_chat_earlier_button.png"))
+
+
+def test_show_earlier_messages_is_reached_with_tab_and_pressed_from_the_keyboard(
+        qtbot, make_gui, tiny_pair, tmp_path) -> None:
+    """The button was not in the window's Tab order, so a long chat's earlier messages
+    could only be reached with the mouse; the cards it brought in were not either."""
+    conversation, ids = write_long_chat(tmp_path / "history.sqlite3")
+    gui = make_gui(plain_settings(tiny_pair[0]), tmp_path / "history.sqlite3")
+    view = gui.window.chat_view
+    button = view.earlier_button
+    assert button.accessibleName() == "Show earlier messages"
+    assert button.accessibleDescription() == "82 earlier messages are not shown"
+
+    gui.window.activateWindow()  # the keyboard goes to the active window
+    qtbot.waitUntil(gui.window.isActiveWindow)
+    view.speculation_box.setFocus()
+    seen = []
+    for _ in range(4):
+        qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Tab)
+        seen.append(QApplication.focusWidget())
+    # after the conversation's scroll area, before the oldest message shown
+    assert seen[:3] == [view.scroll, button, view.cards[0].focus_order()[0]]
+
+    first_shown = view.cards[0]
+    button.setFocus()
+    qtbot.keyClick(button, Qt.Key.Key_Return)
+    assert [c.message_id for c in view.cards] == ids[-76:]
+    assert button.hasFocus()  # ready to be pressed again
+    assert button.accessibleDescription() == "44 earlier messages are not shown"
+    # the cards it brought in come next in the Tab order, oldest first, then the others
+    order = [w for card in view.cards for w in card.focus_order() if w.isVisible()]
+    qtbot.keyClick(button, Qt.Key.Key_Tab)
+    assert QApplication.focusWidget() is order[0]
+    for expected in order[1:]:
+        qtbot.keyClick(QApplication.focusWidget(), Qt.Key.Key_Tab)
+        assert QApplication.focusWidget() is expected
+        if expected is first_shown.focus_order()[0]:
+            break
+
+    button.setFocus()
+    qtbot.keyClick(button, Qt.Key.Key_Space)
+    assert len(view.cards) == 114
+    qtbot.keyClick(button, Qt.Key.Key_Space)
+    assert [c.message_id for c in view.cards] == ids and not button.isVisible()
+    # the button is gone: the keyboard is on the oldest message, not thrown elsewhere
+    assert QApplication.focusWidget() is view.cards[0].focus_order()[0]
+    bar = view.scroll.verticalScrollBar()
+    qtbot.waitUntil(lambda: bar.value() == 0)  # and in view
 
 
 def test_the_context_divider_counts_the_messages_not_shown(qtbot, make_gui, tiny_pair,

@@ -10,6 +10,7 @@ import random
 import shutil
 import subprocess
 import sys
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from PySide6.QtWidgets import QFileDialog
 
 from app.store import COMPLETE
 from app.ui.settings_file import read_settings
-from app.ui.settings_panel import NO_DRAFT_HELP
+from app.ui.settings_panel import CHECKING_HELP, NO_DRAFT_HELP
 from app.ui.worker import NO_DRAFT_MODEL, ChatSettings
 
 TIMEOUT = 60_000
@@ -385,3 +386,44 @@ def test_the_draft_picker_refuses_a_folder_whose_tokenizer_differs_before_a_mess
     assert panel.draft_combo.toolTip().startswith("Cannot draft for this target: ")
     assert "2 token ids map to different strings" in panel.draft_combo.toolTip()
     assert not panel.drafter_combo.model().item(panel.drafter_combo.findData("model")).isEnabled()
+
+
+def test_the_draft_picker_reads_tokenizers_off_the_gui_thread(qtbot, make_gui, tmp_path,
+                                                              monkeypatch) -> None:
+    """The picker compared each candidate's tokenizer.json with the target's on the GUI
+    thread, and a 10+ MB one froze the window while it was read. Now the entry says it is
+    being checked while another thread reads, and the verdict, once in, is kept."""
+    from app.hub import model_choices
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    target = write_tiny_model(tmp_path / "slow-target", seed=0)  # no verdict cached yet
+    draft = write_tiny_model(tmp_path / "slow-draft", seed=0, hidden_size=32)
+    compare = model_choices.check_draft_compatible
+    readers: list[threading.Thread] = []
+    read_done = threading.Event()  # the stand-in for a large tokenizer.json being read
+
+    def slow_compare(t: Path, d: Path):
+        readers.append(threading.current_thread())
+        read_done.wait(timeout=5)
+        return compare(t, d)
+
+    monkeypatch.setattr(model_choices, "check_draft_compatible", slow_compare)
+    gui = make_gui(replace(plain_settings(target), draft=str(draft)))
+    qtbot.waitUntil(lambda: len(readers) > 0, timeout=TIMEOUT)
+    assert readers[0] is not threading.main_thread()
+    panel = gui.window.settings_panel
+    qtbot.waitUntil(lambda: panel.draft_reason(str(draft)) is not None, timeout=TIMEOUT)
+    # while the read goes on, the entry and the `model` drafter say why they wait
+    assert panel.draft_reason(str(draft)) == CHECKING_HELP
+    entry = panel.draft_combo.findData(str(draft))
+    assert panel.draft_combo.itemText(entry) == "slow-draft (checking…)"
+    model_entry = panel.drafter_combo.model().item(panel.drafter_combo.findData("model"))
+    assert not model_entry.isEnabled() and model_entry.toolTip() == CHECKING_HELP
+
+    read_done.set()
+    qtbot.waitUntil(lambda: panel.draft_reason(str(draft)) is None, timeout=TIMEOUT)
+    assert panel.draft_combo.itemText(entry) == "slow-draft"
+    assert model_entry.isEnabled()
+    reads = len(readers)
+    panel.refresh_models()  # the verdict is kept: answered at once, nothing read again
+    assert panel.draft_reason(str(draft)) is None and len(readers) == reads

@@ -271,7 +271,8 @@ def test_search_download_cancel_resume_then_delete(qtbot, gui, hub, relay, cache
     panel.select_result(DRAFT)
     with qtbot.waitSignal(panel.controller.download_finished, timeout=TIMEOUT):
         qtbot.mouseClick(panel.download_button, Qt.MouseButton.LeftButton)
-    assert window.settings_panel.draft_reason(DRAFT) is None
+    qtbot.waitUntil(lambda: window.settings_panel.draft_reason(DRAFT) is None,
+                    timeout=TIMEOUT)  # its tokenizer is compared on another thread
     panel.tabs.setCurrentIndex(1)
     panel.grab().save(str(screenshots_dir / "models_library.png"))
     panel.tabs.setCurrentIndex(0)

@@ -362,6 +362,19 @@ def test_stream_holds_partial_characters_back(byte_tokenizer: Tokenizer) -> None
     assert d.flush() == "\ufffd"  # a reply cut mid-character shows that it was cut
 
 
+def test_a_fork_decodes_a_rejected_branch_on_from_the_reply(byte_tokenizer: Tokenizer) -> None:
+    """A draft branch that differs from the reply inside a character (🦊 and 🐺 share
+    their first two bytes) reads as its own character, special tokens shown; the reply's
+    detokenizer goes on as if the branch had never been decoded."""
+    fox, wolf = byte_tokenizer.encode("🦊"), byte_tokenizer.encode("🐺<|im_start|>")
+    assert fox[:2] == wolf[:2] and len(fox) == 4
+    reply = byte_tokenizer.detokenizer()
+    assert [reply.add(i) for i in fox[:2]] == ["", ""]
+    branch = reply.fork(byte_tokenizer.decode)
+    assert [branch.add(i) for i in wolf[2:]] == ["", "🐺", "<|im_start|>"]
+    assert [reply.add(i) for i in fox[2:]] == ["", "🦊"]
+
+
 def test_stream_decodes_a_bounded_window() -> None:
     """Each step decodes a handful of ids, however long the reply (O(1) per token)."""
     seen: list[int] = []
