@@ -445,8 +445,10 @@ class Legend(QWidget):
         layout.addWidget(self.label)
         self.refresh()
 
-    def refresh(self, marks: bool = False) -> None:
-        dark = widget_is_dark(self)
+    def refresh(self, marks: bool = False, dark: bool | None = None) -> None:
+        """Write the chips again; `dark` is the view's palette, which a palette change
+        reaches before it reaches the legend (default: the legend's own)."""
+        dark = widget_is_dark(self) if dark is None else dark
         chips = []
         for kind in LEGEND_ORDER:
             style = KIND_STYLES[kind]
@@ -585,7 +587,7 @@ class ChatView(QWidget):
         self.render_all()
 
     def render_all(self) -> None:
-        self.legend.refresh(self.show_marks)
+        self.legend.refresh(self.show_marks, widget_is_dark(self))
         for card in self.cards:
             card.render()
 

@@ -129,3 +129,18 @@ def test_marks_toggle_rerenders_cards_legend_and_panes_and_persist(
     again.window.marks_action.trigger()  # and off again
     assert lines_by_kind(again.window.chat_view.cards[-1].document()) == expected(False)
     assert legend_lines(again) == legend_expected(False)
+
+
+def test_the_legend_follows_the_views_palette_at_once(qtbot, make_gui, tiny_pair) -> None:
+    """The view hears of a palette change before its children do (a desktop's switch to
+    dark reaches the widgets in no set order): the legend, reading its own palette, kept
+    the light chips on a dark window while the replies went dark."""
+    gui = make_gui(plain_settings(tiny_pair[0]))
+    view = gui.window.chat_view
+    view.setPalette(dark_palette())  # the view first, then its children
+    doc = QTextDocument()
+    doc.setHtml(view.legend.label.text())
+    chips = {text.strip(): f.background().color().name()
+             for text, f, _ in fragments(doc) if text.strip()}
+    assert chips[KIND_STYLES[A].label] == KIND_STYLES[A].dark_bg
+    assert chips[KIND_STYLES[C].label] == KIND_STYLES[C].dark_bg
