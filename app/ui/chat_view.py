@@ -108,14 +108,15 @@ class TokenBrowser(QTextBrowser):
         self.viewport().setAutoFillBackground(False)
 
     def show_reply(self, steps: Sequence[Step], text: str, *, speculation: bool,
-                   show_rejected: bool, dark: bool) -> None:
-        """A reply with its tokens styled by fate, or (`speculation` off) as clean Markdown.
+                   show_rejected: bool, dark: bool, marks: bool = False) -> None:
+        """A reply with its tokens styled by fate (`marks`: by shape too), or (`speculation`
+        off) as clean Markdown.
 
         The chat's cards and the comparison's panes both show replies through this.
         """
         self.code_blocks = []
         if speculation and steps:
-            self._show_tokens(steps, show_rejected, dark)
+            self._show_tokens(steps, show_rejected, dark, marks)
         else:
             rendered = markdown_html(text, dark)
             self.show_html(rendered.html, rendered.code_blocks)
@@ -127,13 +128,14 @@ class TokenBrowser(QTextBrowser):
         self.code_blocks = code_blocks
         self.setHtml(html)
 
-    def _show_tokens(self, steps: Sequence[Step], show_rejected: bool, dark: bool) -> None:
+    def _show_tokens(self, steps: Sequence[Step], show_rejected: bool, dark: bool,
+                     marks: bool) -> None:
         """Write only the steps not shown yet when those shown are how `steps` begins (a
         reply streaming, or finished as it streamed), in the same style; else all of them."""
         writer, shown = self._writer, self._shown
         n = len(shown)
         if (writer is not None and writer.show_rejected == show_rejected
-                and writer.dark == dark and 0 < n <= len(steps)
+                and writer.dark == dark and writer.marks == marks and 0 < n <= len(steps)
                 and self.document().characterCount() == self._length
                 and (steps[n - 1] is shown[-1] or list(steps[:n]) == shown)):
             new = steps[n:]
@@ -145,7 +147,7 @@ class TokenBrowser(QTextBrowser):
                 self.steps_rendered += len(new)
                 self._length = self.document().characterCount()
             return
-        writer = TokensHtml(show_rejected=show_rejected, dark=dark)
+        writer = TokensHtml(show_rejected=show_rejected, dark=dark, marks=marks)
         self.setHtml(wrap_pre("".join(writer.step(s) for s in steps)))
         self._writer, self._shown = writer, list(steps)
         self.steps_rendered += len(steps)
@@ -396,7 +398,8 @@ class MessageCard(QFrame):
             self.browser.show_html(rendered.html, rendered.code_blocks)
         else:
             self.browser.show_reply(self.steps, self.text(), speculation=self.view.show_speculation,
-                                    show_rejected=self.view.show_rejected, dark=dark)
+                                    show_rejected=self.view.show_rejected, dark=dark,
+                                    marks=self.view.show_marks)
         self._render_footer()
 
     def _render_footer(self) -> None:
@@ -424,7 +427,8 @@ class MessageCard(QFrame):
 
 
 class Legend(QWidget):
-    """Colour chips for every token kind, in the palette currently showing."""
+    """Colour chips for every token kind, in the palette currently showing, with the
+    shape cues the replies show (`marks`)."""
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
@@ -441,12 +445,14 @@ class Legend(QWidget):
         layout.addWidget(self.label)
         self.refresh()
 
-    def refresh(self) -> None:
-        dark = widget_is_dark(self)
+    def refresh(self, marks: bool = False, dark: bool | None = None) -> None:
+        """Write the chips again; `dark` is the view's palette, which a palette change
+        reaches before it reaches the legend (default: the legend's own)."""
+        dark = widget_is_dark(self) if dark is None else dark
         chips = []
         for kind in LEGEND_ORDER:
             style = KIND_STYLES[kind]
-            css = kind_css(kind, dark) or ""
+            css = kind_css(kind, dark, marks)
             chips.append(f'<span style="{css}">&nbsp;{style.label}&nbsp;</span>')
         self.label.setText("&nbsp; ".join(chips))  # the plain space is where a line may break
         self.label.setToolTip("\n".join(
@@ -473,6 +479,7 @@ class ChatView(QWidget):
         self.controller = controller
         self.show_speculation = True
         self.show_rejected = True
+        self.show_marks = False  # View ▸ Mark Token Kinds by Shape: cues beyond colour
         self.cards: list[MessageCard] = []
         # the open conversation's messages older than the first card, not shown yet
         # (without steps): a long chat opens at its newest (`app.ui.chat_paging`)
@@ -577,8 +584,14 @@ class ChatView(QWidget):
             self.rejected_box.setChecked(on)
         self.render_all()
 
+    def set_show_marks(self, on: bool) -> None:
+        """Mark token kinds by shape as well as colour (underline, overline), for readers
+        who cannot tell the kinds' colours apart."""
+        self.show_marks = on
+        self.render_all()
+
     def render_all(self) -> None:
-        self.legend.refresh()
+        self.legend.refresh(self.show_marks, widget_is_dark(self))
         for card in self.cards:
             card.render()
 

@@ -42,6 +42,7 @@ class ComparisonPane(QFrame):
         self._texts: list[str] = []  # each step's text (joined, not taken again per refresh)
         self.show_speculation = True  # follows the chat view's "Show speculation"
         self.show_rejected = True
+        self.show_marks = False  # follows View ▸ Mark Token Kinds by Shape
         self.title = QLabel(title)
         self.title.setObjectName("paneTitle")
         self.browser = TokenBrowser(fit_height=False)
@@ -74,7 +75,8 @@ class ComparisonPane(QFrame):
 
     def render(self) -> None:
         self.browser.show_reply(self.steps, self.text(), speculation=self.show_speculation,
-                                show_rejected=self.show_rejected, dark=widget_is_dark(self))
+                                show_rejected=self.show_rejected, dark=widget_is_dark(self),
+                                marks=self.show_marks)
         bar = self.browser.verticalScrollBar()
         bar.setValue(bar.maximum())
 
@@ -141,6 +143,12 @@ class ComparisonView(QWidget):
     def set_show_rejected(self, on: bool) -> None:
         for pane in (self.speculative, self.plain):
             pane.show_rejected = on
+            pane.render()
+
+    def set_show_marks(self, on: bool) -> None:
+        """Token kinds marked by shape too, as in the chat view."""
+        for pane in (self.speculative, self.plain):
+            pane.show_marks = on
             pane.render()
 
     def _on_comparison_started(self, spec_label: str, plain_label: str) -> None:

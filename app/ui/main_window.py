@@ -302,6 +302,11 @@ class MainWindow(QMainWindow):
                                             checkable=True)
         self.rejected_action.setChecked(True)
         self.chat_view.rejected_box.toggled.connect(self.rejected_action.setChecked)
+        # off by default: colour alone is today's look; on adds an underline (corrected)
+        # and an overline (bonus), for readers who cannot tell green from amber
+        self.marks_action = self._action("Mark Token Kinds by Shape", self.chat_view.set_show_marks,
+                                         checkable=True)
+        self.marks_action.toggled.connect(self.comparison_view.set_show_marks)
         self.compare_action = self._action("Speculative vs Plain", self.compare_button.setChecked,
                                            "Ctrl+Shift+C", checkable=True)
         self.compare_button.toggled.connect(self.compare_action.setChecked)
@@ -320,9 +325,9 @@ class MainWindow(QMainWindow):
                                             QKeySequence.StandardKey.ZoomOut)
         self.actual_size_action = self._action("Actual Size", lambda: self.set_zoom(zoom.DEFAULT),
                                                "Ctrl+0")
-        for action in (self.speculation_action, self.rejected_action, self.compare_action,
-                       None, self.sidebar_action, self.panel_action, None, self.zoom_in_action,
-                       self.zoom_out_action, self.actual_size_action):
+        for action in (self.speculation_action, self.rejected_action, self.marks_action,
+                       self.compare_action, None, self.sidebar_action, self.panel_action, None,
+                       self.zoom_in_action, self.zoom_out_action, self.actual_size_action):
             view_menu.addSeparator() if action is None else view_menu.addAction(action)
 
         chat_menu = bar.addMenu("&Chat")
@@ -716,6 +721,7 @@ class MainWindow(QMainWindow):
             self.splitter.restoreState(QByteArray(splitter))
         self.chat_view.set_show_speculation(_as_bool(qs.value("view/speculation", True)))
         self.chat_view.set_show_rejected(_as_bool(qs.value("view/rejected", True)))
+        self.marks_action.setChecked(_as_bool(qs.value("view/marks", False)))
         self.set_comparison_mode(_as_bool(qs.value("view/comparison", False)))
         self.set_zoom(zoom.nearest(qs.value("view/zoom", zoom.DEFAULT)))
 
@@ -725,6 +731,7 @@ class MainWindow(QMainWindow):
         qs.setValue("window/splitter", self.splitter.saveState())
         qs.setValue("view/speculation", self.chat_view.show_speculation)
         qs.setValue("view/rejected", self.chat_view.show_rejected)
+        qs.setValue("view/marks", self.chat_view.show_marks)
         qs.setValue("view/comparison", self.comparison_mode)
         qs.setValue("view/zoom", self.zoom)
         qs.setValue("chat/settings", json.dumps(self.controller.settings.as_dict()))

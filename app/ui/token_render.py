@@ -6,12 +6,15 @@ Two renderings of the same reply:
   replaced amber, bonus blue, rejected drafts as struck-through red ghosts where the engine
   placed them: right after the committed token their branch hangs from), each with a
   tooltip naming its kind, the target's probability and a ghost's branch; a thin bar parts
-  two neighbouring ghosts of different branches. Tokens inside a fenced code block keep
-  their colours in a monospace font, and each block's opening fence line ends with a Copy
-  link that copies the block's committed code (no ghosts, no fences). A step that fell back to a plain step
-  (`Step.error`) is underlined in amber with the reason in its tooltip; the first step of a
-  reply with each reason also gets a warning marker (a drafter that keeps failing would
-  otherwise litter the reply with them);
+  two neighbouring ghosts of different branches. With `marks` on (View ▸ Mark Token Kinds
+  by Shape), corrected tokens are also underlined and bonus ones overlined, so a reader who
+  cannot tell green from amber (deuteranopia) still can tell the kinds apart. Tokens
+  inside a fenced code block keep their colours in a monospace font, and each block's
+  opening fence line ends with a Copy link that copies the block's committed code (no
+  ghosts, no fences). A step that fell back to a plain step (`Step.error`) is underlined
+  in amber with the reason in its tooltip; the first step of a reply with each reason
+  also gets a warning marker (a drafter that keeps failing would otherwise litter the
+  reply with them);
 * clean: the committed text as Markdown (markdown-it-py, CommonMark + tables), code blocks
   highlighted by pygments with a copy link, as a coding assistant's reply is expected to look.
 
@@ -55,6 +58,8 @@ class KindStyle:
     dark_fg: str | None
     dark_bg: str | None
     strike: bool = False
+    # a text-decoration shown only with marks on: a cue that does not rely on colour
+    mark: str = ""
 
     def colors(self, dark: bool) -> tuple[str | None, str | None]:
         return (self.dark_fg, self.dark_bg) if dark else (self.light_fg, self.light_bg)
@@ -65,10 +70,10 @@ KIND_STYLES: dict[TokenKind, KindStyle] = {
         "accepted", "drafted, and the target agreed", "#0b5d1e", "#cdf3d5", "#a6f0b4", "#1e4b2b"),
     TokenKind.REPLACED: KindStyle(
         "corrected", "the target's own token where the draft was wrong",
-        "#7a4300", "#ffdf9e", "#ffd48a", "#5c3b08"),
+        "#7a4300", "#ffdf9e", "#ffd48a", "#5c3b08", mark="underline"),
     TokenKind.BONUS: KindStyle(
         "bonus", "the target's extra token after every draft passed",
-        "#0b3b8f", "#d3e4ff", "#b0cdff", "#1b3763"),
+        "#0b3b8f", "#d3e4ff", "#b0cdff", "#1b3763", mark="overline"),
     TokenKind.REJECTED: KindStyle(
         "rejected", "a drafted guess the target threw away (never part of the reply)",
         "#c0392b", None, "#ff8a80", None, strike=True),
@@ -79,8 +84,12 @@ LEGEND_ORDER = (TokenKind.ACCEPTED, TokenKind.REPLACED, TokenKind.BONUS, TokenKi
                 TokenKind.TARGET)
 
 
-def kind_css(kind: TokenKind, dark: bool) -> str:
-    """The inline CSS of a token of this kind."""
+def kind_css(kind: TokenKind, dark: bool, marks: bool = False) -> str:
+    """The inline CSS of a token of this kind; `marks` adds its shape cue (`KindStyle.mark`).
+
+    Accepted tokens get no mark: they are most of a reply, and their background alone
+    (lighter or darker than the page) already parts them from unstyled target tokens.
+    """
     style = KIND_STYLES[kind]
     fg, bg = style.colors(dark)
     parts = []
@@ -90,6 +99,8 @@ def kind_css(kind: TokenKind, dark: bool) -> str:
         parts.append(f"background-color:{bg}")
     if style.strike:
         parts.append("text-decoration:line-through")
+    elif marks and style.mark:
+        parts.append(f"text-decoration:{style.mark}")
     return ";".join(parts)
 
 
@@ -140,15 +151,17 @@ def shown_text(token: Token) -> str:
     return text if any(c.isprintable() for c in text) else "\N{WHITE SQUARE}"
 
 
-def token_span(token: Token, dark: bool = False, warning: str = "", code: bool = False) -> str:
-    """One token as a styled span with its tooltip (`code`: in a monospace font)."""
+def token_span(token: Token, dark: bool = False, warning: str = "", code: bool = False,
+               marks: bool = False) -> str:
+    """One token as a styled span with its tooltip (`code`: in a monospace font; `marks`:
+    with its kind's shape cue)."""
     text = shown_text(token)
     if not text:
         return ""
-    css = kind_css(token.kind, dark)
+    css = kind_css(token.kind, dark, marks)
     if code:
         css = f"{css};font-family:{MONO}" if css else f"font-family:{MONO}"
-    if warning:  # a fallback step is a plain step: no other decoration to clash with
+    if warning:  # a fallback step is a plain step (target tokens): no mark to clash with
         underline = f"text-decoration:underline;text-decoration-color:{WARNING_COLORS[dark]}"
         css = f"{css};{underline}" if css else underline
     title = html.escape(token_tooltip(token, warning), quote=True)
@@ -249,16 +262,18 @@ class TokensHtml:
     crosses steps is kept here: the open code fence, the fallback reasons already marked.
     """
 
-    def __init__(self, *, show_rejected: bool = True, dark: bool = False) -> None:
+    def __init__(self, *, show_rejected: bool = True, dark: bool = False,
+                 marks: bool = False) -> None:
         self.show_rejected = show_rejected
         self.dark = dark
+        self.marks = marks
         self.marked: set[str] = set()  # one marker per reason; later steps are only underlined
         self.fences = FenceTracker()
 
     def step(self, step: Step) -> str:
         """The inner HTML (for a pre-wrap block) of the next step."""
         out: list[str] = []
-        dark = self.dark
+        dark, marks = self.dark, self.marks
         if step.error and step.error not in self.marked:
             self.marked.add(step.error)
             out.append(warning_span(step.error, dark))
@@ -276,18 +291,21 @@ class TokensHtml:
                 at = self.fences.opened_at
                 if at >= 0:  # a block opened: its Copy link ends the fence's line
                     head, tail = token.text[:at], token.text[at:]
-                    out.append(token_span(replace(token, text=head), dark, step.error, code))
+                    out.append(token_span(replace(token, text=head), dark, step.error, code,
+                                          marks))
                     out.append(copy_link(len(self.fences.blocks) - 1))
                     token = replace(token, text=tail)
-            out.append(token_span(token, dark, step.error, code))
+            out.append(token_span(token, dark, step.error, code, marks))
             previous = token
         return "".join(out)
 
 
-def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool = False) -> str:
+def tokens_html(steps: Iterable[Step], *, show_rejected: bool = True, dark: bool = False,
+                marks: bool = False) -> str:
     """A reply with every token styled by its fate, in the steps' display order (inner
-    HTML for a pre-wrap block); `show_rejected` off drops the ghosts."""
-    writer = TokensHtml(show_rejected=show_rejected, dark=dark)
+    HTML for a pre-wrap block); `show_rejected` off drops the ghosts, `marks` on adds
+    each kind's shape cue."""
+    writer = TokensHtml(show_rejected=show_rejected, dark=dark, marks=marks)
     return "".join(writer.step(step) for step in steps)
 
 

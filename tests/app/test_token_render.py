@@ -10,6 +10,7 @@ from app.ui.gauge import RateTracker
 from app.ui.token_render import (
     KIND_STYLES,
     footer_text,
+    kind_css,
     markdown_html,
     token_tooltip,
     tokens_html,
@@ -87,6 +88,36 @@ def test_a_rejected_piece_of_a_character_never_shows_a_replacement_mark(qapp) ->
     assert shown == "你\N{WHITE SQUARE}好 \ufffd\N{WHITE SQUARE}!"  # committed text as is
     assert doc_of(wrap_pre(tokens_html(steps, show_rejected=False))).toPlainText() == (
         "你好 \ufffd!")
+
+
+@pytest.mark.parametrize("dark", [False, True])
+def test_marks_add_a_shape_to_corrected_and_bonus_only(dark: bool) -> None:
+    """Colour-blind readers (green vs amber) tell corrected from accepted by an underline,
+    bonus by an overline; a ghost keeps its strike-through and nothing else changes."""
+    colours = {kind: kind_css(kind, dark) for kind in TokenKind}
+    fg, bg = KIND_STYLES[TokenKind.REPLACED].colors(dark)
+    assert colours[TokenKind.REPLACED] == f"color:{fg};background-color:{bg}"  # colour only
+    assert colours[TokenKind.REJECTED].endswith(";text-decoration:line-through")
+    assert colours[TokenKind.TARGET] == ""
+    assert not any("underline" in c or "overline" in c for c in colours.values())
+    marked = {kind: kind_css(kind, dark, marks=True) for kind in TokenKind}
+    assert marked[TokenKind.REPLACED] == colours[TokenKind.REPLACED] + ";text-decoration:underline"
+    assert marked[TokenKind.BONUS] == colours[TokenKind.BONUS] + ";text-decoration:overline"
+    for kind in (TokenKind.ACCEPTED, TokenKind.REJECTED, TokenKind.TARGET):
+        assert marked[kind] == colours[kind]
+
+
+@pytest.mark.parametrize("marks", [False, True])
+def test_marks_show_in_the_document_as_qt_reads_it(qapp, marks: bool) -> None:
+    fmts = formats_by_text(doc_of(wrap_pre(tokens_html(STEPS, marks=marks))))
+    decorations = {text: (f.fontUnderline(), f.fontOverline(), f.fontStrikeOut())
+                   for text, f in fmts.items()}
+    assert decorations["(a"] == (marks, False, False)  # corrected: underlined
+    assert decorations[" b"] == (False, marks, False)  # bonus: overlined
+    assert decorations["(x"] == (False, False, True)  # rejected: struck through either way
+    for text in ("def", " add", ","):  # target and accepted: no line
+        assert decorations[text] == (False, False, False)
+    assert fmts["(a"].background().color().name() == KIND_STYLES[TokenKind.REPLACED].light_bg
 
 
 def test_tooltip_names_kind_and_probability() -> None:
