@@ -1,4 +1,4 @@
-"""GGUF (llama family) -> HF-style model folder.
+"""GGUF (llama family, Gemma 3) -> HF-style model folder.
 
 A GGUF file holds weights, hyper-parameters and the tokenizer in one file. The rest of the
 engine only reads HF-style folders, so importing converts once: `config.json` from the
@@ -40,7 +40,7 @@ from engine.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_
 from engine.loading import default_backend, holds_quantized
 from engine.weights import WeightPlan, check_memory
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 GROUP_SIZE = 32  # GGUF block size of Q4_0/Q4_1/Q8_0, kept by MLX as the quantization group
 IMPORTER_VERSION = 1
 IMPORT_INFO = "import_info.json"
@@ -48,7 +48,8 @@ FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer
                 "generation_config.json", IMPORT_INFO)
 
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}
+            "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the arch
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 _LAYER_NAMES = {
@@ -64,6 +65,20 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 names its norms apart: `ffn_norm` is the norm before the MLP, and two more follow
+# attention and the MLP
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Ollama's Gemma 3 files hold the vision tower and projector beside the text model
+_IMAGE_PREFIXES = {"gemma3": ("v.", "mm.")}
+# what llama.cpp takes as given for Gemma 3 rather than storing it
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_27B_LAYERS = 62  # the one size whose attention scale is not head_dim^-0.5
 _SUFFIXES = ("weight", "bias", "scales", "biases")
 
 
@@ -93,6 +108,8 @@ def import_gguf(src: Path, dest: Path, *, overwrite: bool = False, backend: str 
         raise UnsupportedModelError(
             f"{src}: architecture {arch!r} is not supported "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    sources = {n: t for n, t in sources.items()
+               if not n.startswith(_IMAGE_PREFIXES.get(arch, ()))}
     config = _config(src, arch, meta, sources)
     tokenizer = build_tokenizer(src, meta)
     quantize = holds_quantized(backend)
@@ -158,7 +175,7 @@ def _config(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, Tenso
             f"{src}: partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
     config: dict[str, Any] = {
         "architectures": [_HF_ARCH[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPE.get(arch, arch),
         "hidden_size": hidden,
         "intermediate_size": int(_require(src, meta, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_require(src, meta, f"{arch}.block_count")),
@@ -170,10 +187,12 @@ def _config(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, Tenso
         "vocab_size": int(tensors["token_embd.weight"].shape[0]),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
-    if head_dim != hidden // n_heads or arch == "qwen3":
+    if head_dim != hidden // n_heads or arch in ("qwen3", "gemma3"):
         config["head_dim"] = head_dim
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         config["attention_bias"] = True
+    if arch == "gemma3":
+        config |= _gemma3_config(src, meta, config, head_dim)
     rope_scaling = _rope_scaling(src, arch, meta, tensors, config, head_dim)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
@@ -186,14 +205,44 @@ def _config(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, Tenso
     return config
 
 
+def _gemma3_config(src: Path, meta: dict[str, Any], config: dict[str, Any], head_dim: int
+                   ) -> dict[str, Any]:
+    """Gemma 3's own fields. llama.cpp stores the sliding window; the rest it takes as
+    given (`llama-model.cpp`): a global layer every sixth, local layers at RoPE base 10,000,
+    and the attention scale head_dim^-0.5 except on the 27B (62 layers), where it is
+    (hidden / heads)^-0.5, as Google's reference code has it."""
+    window = meta_value(meta, "gemma3.attention.sliding_window")
+    if window is None:
+        raise ModelFormatError(f"{src}: metadata field 'gemma3.attention.sliding_window' is missing")
+    scalar = (config["hidden_size"] // config["num_attention_heads"]
+              if config["num_hidden_layers"] == GEMMA3_27B_LAYERS else head_dim)
+    return {
+        "sliding_window": int(window),
+        "sliding_window_pattern": int(meta_value(meta, "gemma3.attention.sliding_window_pattern",
+                                                 GEMMA3_SWA_PATTERN)),
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        "query_pre_attn_scalar": scalar,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": float(meta_value(meta, "gemma3.attention.layer_norm_rms_epsilon", 1e-6)),
+    }
+
+
 def _rope_scaling(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, TensorSource],
                   config: dict[str, Any], head_dim: int) -> dict[str, Any] | None:
-    """Recover Llama 3.1-style scaling from the `rope_freqs` factors llama.cpp stores.
+    """Recover Llama 3.1-style scaling from the `rope_freqs` factors llama.cpp stores, or
+    the linear scaling it names (Gemma 3's larger sizes).
 
     The converter keeps only the per-frequency factors; they match the llama3 formula with
     the published parameters, which we check before claiming them.
     """
     kind = meta_value(meta, f"{arch}.rope.scaling.type")
+    if kind == "linear":
+        factor = meta_value(meta, f"{arch}.rope.scaling.factor")
+        if not isinstance(factor, int | float) or factor <= 0:
+            raise ModelFormatError(
+                f"{src}: metadata field '{arch}.rope.scaling.factor' must be a positive number, "
+                f"got {factor!r}")
+        return {"rope_type": "linear", "factor": float(factor)}
     if kind not in (None, "none") and "rope_freqs.weight" not in tensors:
         raise UnsupportedModelError(f"{src}: RoPE scaling {kind!r} is not supported")
     if "rope_freqs.weight" not in tensors:
@@ -232,16 +281,17 @@ def _unpermute_rows(x: mx.array, n_heads: int) -> mx.array:
     return x.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str = "llama") -> str | None:
     """GGUF tensor name -> HF name, or None for names we do not know."""
     base, _, suffix = name.rpartition(".")
     if suffix not in _SUFFIXES:
         return None
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     parts = base.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
     return None
 
 
@@ -251,7 +301,7 @@ def _hf_weights(src: Path, arch: str, config: dict[str, Any], tensors: dict[str,
     """Rename to HF keys, un-permute llama q/k rows, hold dequantized types as the backend
     wants, and describe the quantization. One tensor at a time, so at most one float32
     copy of a re-quantized tensor exists at once."""
-    unknown = [n for n in tensors if n != "rope_freqs.weight" and _hf_name(n) is None]
+    unknown = [n for n in tensors if n != "rope_freqs.weight" and _hf_name(n, arch) is None]
     if unknown:
         raise UnsupportedModelError(
             f"{src}: unexpected tensors {', '.join(sorted(unknown)[:3])} (not a plain "
@@ -263,13 +313,17 @@ def _hf_weights(src: Path, arch: str, config: dict[str, Any], tensors: dict[str,
     for done, (name, source) in enumerate(tensors.items()):
         if on_progress is not None:
             on_progress(done, len(tensors))
-        hf = _hf_name(name)
+        hf = _hf_name(name, arch)
         if hf is None:  # rope_freqs: folded into config.json
             continue
         module, _, suffix = hf.rpartition(".")
         x = source.load()
         if arch == "llama" and module.split(".", 3)[-1] in heads:
             x = _unpermute_rows(x, heads[module.split(".", 3)[-1]])
+        if arch == "gemma3" and hf.endswith("norm.weight"):
+            # llama.cpp's converter stores Gemma's norms as the 1 + weight they multiply
+            # by; the checkpoint's own weight is what the decoder loads
+            x = x.astype(mx.float32) - 1.0
         if source.dequantized:
             held = _held(x, source.ggml_type, suffix, quantize)
             if isinstance(held, tuple):

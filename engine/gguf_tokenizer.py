@@ -191,13 +191,25 @@ def tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, 
     return out
 
 
+# control tokens that end a chat turn whatever the metadata names: llama.cpp finds them by
+# their text when it loads a file, so converters often leave them out (Gemma 3's files name
+# only <eos>, and its replies end with <end_of_turn>)
+END_OF_TURN_TEXTS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>")
+
+
 def generation_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Every id that ends a turn: eos plus llama.cpp's end-of-turn/end-of-message ids."""
+    """Every id that ends a turn: eos plus llama.cpp's end-of-turn/end-of-message ids, and
+    the control tokens of `END_OF_TURN_TEXTS` the vocabulary holds."""
     eos: list[int] = []
     for key in ("eos", "eot", "eom"):
         i = meta_value(meta, f"tokenizer.ggml.{key}_token_id")
         if i is not None and int(i) not in eos:
             eos.append(int(i))
+    tokens: list[str] = meta_value(meta, "tokenizer.ggml.tokens") or []
+    types: list[int] = meta_value(meta, "tokenizer.ggml.token_type") or []
+    for i, (text, kind) in enumerate(zip(tokens, types, strict=False)):
+        if kind == _TOKEN_CONTROL and text in END_OF_TURN_TEXTS and i not in eos:
+            eos.append(i)
     out: dict[str, Any] = {"eos_token_id": eos}
     if "bos_token_id" in config:
         out["bos_token_id"] = config["bos_token_id"]

@@ -447,3 +447,99 @@ def test_a_later_import_removes_what_a_killed_one_left_but_not_a_running_ones(
     finally:
         running.kill()
         running.wait(10)
+
+
+# ---------------------------------------------------------------------------- Gemma 3
+
+GEMMA3_TO_GGUF = {  # HF layer module -> llama.cpp's name (gguf-py's MODEL_TENSOR table)
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gemma3_gguf(path: Path, hf_folder: Path, *, vision: bool = False) -> None:
+    """A Gemma 3 GGUF as llama.cpp's converter writes one from `hf_folder`: its names, its
+    norms stored as 1 + weight, q/k rows as they are, the sliding window in the metadata
+    and the rest left to what llama.cpp assumes. `vision`: Ollama's combined file, with
+    vision tensors beside the text model's."""
+    from safetensors.numpy import load_file
+
+    config = json.loads((hf_folder / "config.json").read_text())
+    hf = load_file(str(hf_folder / "model.safetensors"))
+    tokens, token_types = vocabulary()
+    n_vocab = config["vocab_size"]
+    tokens += [f"<unused{i}>" for i in range(n_vocab - len(tokens) - 1)] + ["<end_of_turn>"]
+    token_types += [3] * (n_vocab - len(token_types))
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_sliding_window(config["sliding_window"])
+    if config.get("rope_scaling"):
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(config["rope_scaling"]["factor"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(MERGES)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    w.add_chat_template(TEMPLATE)
+    for name, x in hf.items():
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        else:
+            layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
+            gname = f"blk.{layer}.{GEMMA3_TO_GGUF[module]}.weight"
+        w.add_tensor(gname, (x + 1.0 if name.endswith("norm.weight") else x).astype(np.float32))
+    if vision:
+        w.add_tensor("v.blk.0.attn_q.weight", np.ones((8, 8), np.float32))
+        w.add_tensor("mm.input_projection.weight", np.ones((8, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("vision", [False, True], ids=["text", "ollama-with-vision"])
+def test_a_gemma3_gguf_imports_as_the_model_it_was_converted_from(tmp_path: Path,
+                                                                 vision: bool) -> None:
+    """A Gemma 3 GGUF (llama.cpp's names and 1 + weight norms, a global layer every sixth,
+    linear RoPE scaling) imports as the gemma3_text checkpoint it came from: the same
+    logits, <end_of_turn> a stop token though the metadata names only <eos>."""
+    from engine.loading import load_weights
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    hf_folder = write_tiny_model(tmp_path / "hf", "gemma3_text", num_hidden_layers=6,
+                                 rope_scaling={"rope_type": "linear", "factor": 4.0})
+    config = read_json(hf_folder, "config.json")
+    # what llama.cpp assumes for every size but the 27B
+    config |= {"sliding_window_pattern": 6, "query_pre_attn_scalar": config["head_dim"]}
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    write_gemma3_gguf(tmp_path / "g.gguf", hf_folder, vision=vision)
+    out = import_gguf(tmp_path / "g.gguf", tmp_path / "imported", backend="cpu")
+    imported = read_json(out, "config.json")
+    assert imported["model_type"] == "gemma3_text"
+    assert imported["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+    assert (imported["sliding_window"], imported["sliding_window_pattern"]) == (8, 6)
+    # <|im_end|> (2) and <end_of_turn> (299) found by their text, as llama.cpp finds them
+    assert read_json(out, "generation_config.json")["eos_token_id"] == [0, 2, 299]
+    ours, _ = load_weights(out, backend="cpu")
+    ref, _ = load_weights(hf_folder, backend="cpu")
+    tokens = mx.array([[1, 17, 42, 201, 5, 77, 123, 2, 64, 9, 250, 33] * 2])
+    want = ref(tokens)
+    assert (mx.abs(ours(tokens) - want).max() / mx.abs(want).max()).item() < 1e-5
