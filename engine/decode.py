@@ -52,6 +52,14 @@ from engine.tuning import K_MAX, AcceptanceEstimate, CostModel, DraftPolicy, Pol
 log = logging.getLogger(__name__)
 
 
+def _check_prompt(messages: Sequence[dict]) -> None:
+    """Refuse a conversation with nothing to reply to, in one line."""
+    if not messages:
+        raise PromptError("the conversation is empty: give at least one message")
+    if not any(str(m.get("content", "")).strip() for m in messages):
+        raise PromptError("the prompt is empty: write a message first")
+
+
 @dataclass(frozen=True)
 class GenerateOptions:
     """Everything that shapes one reply besides the conversation itself."""
@@ -191,12 +199,16 @@ class ChatSession:
     def encode(self, messages: Sequence[dict], continue_final: bool = False) -> list[int]:
         """Prompt ids for a reply to `messages`, or (`continue_final`) for the rest of the
         last one (see `Tokenizer.encode_chat`)."""
-        if not messages:
-            raise PromptError("the conversation is empty: give at least one message")
-        if not any(str(m.get("content", "")).strip() for m in messages):
-            raise PromptError("the prompt is empty: write a message first")
+        _check_prompt(messages)
         return self.target.tokenizer.encode_chat(list(messages), add_generation_prompt=True,
                                                  continue_final=continue_final)
+
+    def prompt_length(self, messages: Sequence[dict], continue_final: bool = False) -> int:
+        """`len(self.encode(messages, continue_final))`, without tokenizing again the parts
+        of a long conversation counted on earlier turns (`Tokenizer.count_chat`)."""
+        _check_prompt(messages)
+        return self.target.tokenizer.count_chat(list(messages), add_generation_prompt=True,
+                                                continue_final=continue_final)
 
     def generate(
         self,
@@ -215,7 +227,8 @@ class ChatSession:
         options = options or GenerateOptions()
         window = self.context_window
         fitted = fit_to_window(messages, lambda m: self.encode(m, continue_final), window,
-                               reply_room(window, options.max_tokens))
+                               reply_room(window, options.max_tokens),
+                               count=lambda m: self.prompt_length(m, continue_final))
         return self._start(fitted.ids, options, cancel, fitted.dropped)
 
     def _reuse_prefix(self, prompt_ids: Sequence[int]) -> int:

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from engine.errors import AppWarning, ModelFormatError, PromptError, TemplateError
 from engine.events import CUT_MARK, without_cut_mark
 from engine.render_budget import render_bounded
+from engine.token_count import TokenCounter, cut_tokens
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -232,6 +233,9 @@ class Tokenizer:
         self.eos_token_ids: frozenset[int] = frozenset(eos)
         self._template_vars = {k: v for k, v in (special_tokens or {}).items() if v is not None}
         self._template_vars.update(bos_token=bos_token or "", eos_token=eos_token or "")
+        self._counter = TokenCounter(
+            lambda text: self._tok.encode(text, add_special_tokens=False).ids,
+            cut_tokens(tokenizer))
         try:
             self._template = _make_environment().from_string(chat_template)
         except jinja2.TemplateSyntaxError as e:
@@ -352,11 +356,24 @@ class Tokenizer:
         template's end-of-turn, so the model goes on writing that message (a reply cut
         short by its token limit or by Stop).
         """
-        if continue_final:
-            text = self._continued(messages, **variables)
-        else:
-            text = self.apply_chat_template(messages, add_generation_prompt, **variables)
+        text = self.chat_text(messages, add_generation_prompt, continue_final, **variables)
         return self._with_bos(self.encode(text, add_special_tokens=False))
+
+    def count_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                   continue_final: bool = False, **variables: Any) -> int:
+        """`len(encode_chat(...))`, tokenizing only the parts of the rendered text this
+        tokenizer has not counted before (`engine.token_count`): fitting a long chat to the
+        window measures the whole conversation every turn."""
+        text = self.chat_text(messages, add_generation_prompt, continue_final, **variables)
+        n, first = self._counter.count(text)
+        return n + int(self._adds_bos(first))
+
+    def chat_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                  continue_final: bool = False, **variables: Any) -> str:
+        """The text `encode_chat` tokenizes (see there)."""
+        if continue_final:
+            return self._continued(messages, **variables)
+        return self.apply_chat_template(messages, add_generation_prompt, **variables)
 
     def _continued(self, messages: list[dict[str, Any]], **variables: Any) -> str:
         """The rendered conversation cut right after the last message's text.
@@ -377,9 +394,14 @@ class Tokenizer:
         return rendered[:at + len(body)] + content[len(body):]
 
     def _with_bos(self, ids: list[int]) -> list[int]:
-        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+        if self.bos_token_id is not None and self._adds_bos(ids[0] if ids else None):
             return [self.bos_token_id, *ids]
         return ids
+
+    def _adds_bos(self, first_id: int | None) -> bool:
+        """Whether ids starting with `first_id` (None: no ids) get BOS put in front."""
+        return (self.add_bos_token and self.bos_token_id is not None
+                and first_id != self.bos_token_id)
 
 
 # The roles a conversation may hold, as the OpenAI API names them (the server takes the

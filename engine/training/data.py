@@ -300,7 +300,8 @@ def read_samples(model, tokenizer, items: Sequence[Item], layers: Sequence[int],
         try:
             fitted = fit_to_window(
                 context, lambda m: tokenizer.encode_chat(list(m), add_generation_prompt=True),
-                window, room)
+                window, room,
+                count=lambda m: tokenizer.count_chat(list(m), add_generation_prompt=True))
         except PromptError:
             continue  # its last user message alone fills the window: nothing to learn here
         prompt = fitted.ids

@@ -55,6 +55,22 @@ def test_a_conversation_that_fits_is_read_whole(small_window: LoadedModel) -> No
     assert fitted.dropped == 0 and fitted.ids == encode(messages)
 
 
+def test_a_prompt_is_measured_as_it_is_encoded(small_window: LoadedModel) -> None:
+    """`prompt_length` is what the cut is worked out from: it must be the encoded length,
+    and refuse what `encode` refuses in the same words."""
+    session = ChatSession(small_window)
+    for messages in (conversation(2), conversation(12)):
+        for continue_final in (False, True):
+            assert session.prompt_length(messages, continue_final) == len(
+                session.encode(messages, continue_final))
+    for bad in ([], [{"role": "user", "content": "  "}]):
+        with pytest.raises(PromptError) as encoding:
+            session.encode(bad)
+        with pytest.raises(PromptError) as measuring:
+            session.prompt_length(bad)
+        assert str(measuring.value) == str(encoding.value)
+
+
 def test_the_oldest_exchanges_go_in_steps_of_a_quarter_window(
         small_window: LoadedModel) -> None:
     encode = ChatSession(small_window).encode

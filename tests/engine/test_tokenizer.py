@@ -104,6 +104,10 @@ def test_encode_chat_never_doubles_bos(tmp_path: Path, add_bos: bool, template: 
     assert tok.bos_token_id == 0
     assert ids[:len(first_ids)] == first_ids
     assert ids.count(0) == (1 if add_bos else 0)
+    # counting the prompt (fitting a long chat to the window) adds BOS by the same rule
+    assert tok.count_chat(HELLO) == len(ids)
+    assert tok.count_chat(HELLO, continue_final=True) == len(
+        tok.encode_chat(HELLO, continue_final=True))
 
 
 def test_no_bos_prepended_without_add_bos(tmp_path: Path) -> None:
