@@ -1,7 +1,8 @@
-"""One decoder-only transformer for llama, mistral, qwen2, qwen3 and Gemma 3 checkpoints.
+"""One decoder-only transformer for llama, mistral, qwen2, qwen3, SmolLM3 and Gemma 3.
 
 They differ only in switches read from `config.json`: qwen2 adds biases to the q/k/v
-projections, qwen3 normalises q and k per head, llama3 rescales RoPE frequencies. Gemma 3
+projections, qwen3 normalises q and k per head, llama3 rescales RoPE frequencies, SmolLM3
+leaves RoPE out of every fourth layer, Mistral 7B v0.1 slides a 4,096-token window. Gemma 3
 (`gemma3_text`, the text-only checkpoints such as gemma-3-270m and gemma-3-1b) adds more:
 embeddings scaled by sqrt(hidden_size), norms that multiply by 1 + weight (folded into the
 weights when they load, `Model.sanitize`), q/k norms, a norm after attention and around the
@@ -28,7 +29,7 @@ from engine.models.rope import rope_table
 from engine.models.taps import Capture, FeatureTap, FeatureTaps
 from kernels import dispatch
 
-DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3")
 # config.json model types the loader reads: these, and Gemma 3's vision-language
 # checkpoints, whose text model is a gemma3_text (`engine.models.text_part`)
 SUPPORTED_MODEL_TYPES = (*DECODER_TYPES, "gemma3")
@@ -64,6 +65,9 @@ class ModelArgs:
     layer_types: list[str] | None = None
     rope_local_base_freq: float | None = None
     hidden_activation: str | None = None
+    # SmolLM3: layers without RoPE ("NoPE"), listed (1 = RoPE) or every `interval`-th
+    no_rope_layers: list[int] | None = None
+    no_rope_layer_interval: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -81,6 +85,10 @@ class ModelArgs:
             self.attention_bias = self.model_type == "qwen2"
         if self.is_gemma:
             self._check_gemma()
+        if self.model_type == "mistral":
+            self._check_window()
+        if self.model_type == "smollm3":
+            self._check_nope()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelFormatError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a "
@@ -140,11 +148,7 @@ class ModelArgs:
                     (_is_int(value) or isinstance(value, float)) and value > 0):
                 raise ModelFormatError(
                     f"config.json: {name} must be a positive number, got {value!r}")
-        for name in ("sliding_window", "sliding_window_pattern"):
-            value = getattr(self, name)
-            if value is not None and not (_is_int(value) and value >= 1):
-                raise ModelFormatError(
-                    f"config.json: {name} must be a positive integer, got {value!r}")
+        self._check_window()
         types = self.layer_types
         if types is not None and (
                 not isinstance(types, list) or len(types) != self.num_hidden_layers
@@ -157,6 +161,33 @@ class ModelArgs:
             raise UnsupportedModelError(
                 f"config.json: hidden_activation {act!r} is not supported "
                 "(supported: gelu_pytorch_tanh)")
+
+    def _check_window(self) -> None:
+        for name in ("sliding_window", "sliding_window_pattern"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and value >= 1):
+                raise ModelFormatError(
+                    f"config.json: {name} must be a positive integer, got {value!r}")
+
+    def _check_nope(self) -> None:
+        listed, every = self.no_rope_layers, self.no_rope_layer_interval
+        if listed is not None and (
+                not isinstance(listed, list) or len(listed) != self.num_hidden_layers
+                or any(v not in (0, 1) or isinstance(v, bool) for v in listed)):
+            raise ModelFormatError(
+                f"config.json: no_rope_layers must list 1 (RoPE) or 0 (none) for each of the "
+                f"{self.num_hidden_layers} layers")
+        if every is not None and not (_is_int(every) and every >= 1):
+            raise ModelFormatError(
+                f"config.json: no_rope_layer_interval must be a positive integer, got {every!r}")
+
+    def layer_has_rope(self, i: int) -> bool:
+        """Whether layer i rotates q and k (SmolLM3 leaves every fourth layer without)."""
+        if self.model_type != "smollm3":
+            return True
+        if self.no_rope_layers is not None:
+            return bool(self.no_rope_layers[i])
+        return (i + 1) % (self.no_rope_layer_interval or 4) != 0
 
     @property
     def is_gemma(self) -> bool:
@@ -174,9 +205,15 @@ class ModelArgs:
         return self.head_dim ** -0.5
 
     def layer_window(self, i: int) -> int | None:
-        """How many positions layer i attends back over (itself included), or None for all."""
-        if not self.is_gemma or self.sliding_window is None:
+        """How many positions layer i attends back over (itself included), or None for all:
+        Gemma 3's sliding layers, and every layer of a Mistral that states a window
+        (7B v0.1; later versions set none)."""
+        if self.sliding_window is None:
             return None
+        if self.model_type == "mistral":
+            return self.sliding_window
+        if not self.is_gemma:
+            return None  # qwen2's configs state one they do not use
         if self.layer_types is not None:
             sliding = self.layer_types[i] == "sliding_attention"
         else:
@@ -335,6 +372,7 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.scale = args.attention_scale
         self.window = args.layer_window(layer)
+        self.rotates = args.layer_has_rope(layer)
         bias = bool(args.attention_bias)
         D = args.hidden_size
         self.q_proj = Linear(D, self.n_heads * self.head_dim, bias=bias)
@@ -365,7 +403,8 @@ class Attention(nn.Module):
         k = k.transpose(0, 2, 1, 3)  # (B, kv_heads, L, head_dim)
         v = v.transpose(0, 2, 1, 3)
         offset = cache.offset if cache is not None else 0
-        q, k = self._rope(q, offset, positions), self._rope(k, offset, positions)
+        if self.rotates:
+            q, k = self._rope(q, offset, positions), self._rope(k, offset, positions)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self.window is not None:

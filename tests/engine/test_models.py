@@ -60,6 +60,8 @@ CASES: dict[str, dict[str, Any]] = {
                                   "tie": False},
     "gemma3-q4-bf16": {"model_type": "gemma3_text", "num_hidden_layers": 3,
                        "quantize": (32, 4), "dtype": "bfloat16"},
+    # the third layer has no RoPE
+    "smollm3-nope": {"model_type": "smollm3", "num_hidden_layers": 3},
 }
 
 TOKENS = mx.array([[1, 17, 42, 299, 5, 77, 123, 2, 64, 9, 250, 33]])
@@ -235,6 +237,49 @@ def test_a_gemma3_wrapper_without_its_text_config_is_named(tmp_path: Path) -> No
     (wrapped / "config.json").write_text(json.dumps(config))
     with pytest.raises(EngineError, match="'gemma3' needs a text_config object"):
         load_weights(wrapped, backend="cpu")
+
+
+def test_smollm3_layers_without_rope_are_real(model_dirs: dict[str, Path],
+                                             tmp_path: Path) -> None:
+    """Negative control for the mlx-lm case: rotating every layer gives other logits;
+    a `no_rope_layers` list says the same as the interval it spells out."""
+    import shutil
+
+    src = model_dirs["smollm3-nope"]
+    model, _ = load_weights(src, backend="cpu")
+    want = model(TOKENS)
+    for name, change in (("all-rope", {"no_rope_layers": [1, 1, 1]}),
+                         ("listed", {"no_rope_layers": [1, 1, 0]})):
+        dst = tmp_path / name
+        shutil.copytree(src, dst)
+        config = json.loads((dst / "config.json").read_text())
+        (dst / "config.json").write_text(json.dumps({**config, **change}))
+        got, _ = load_weights(dst, backend="cpu")
+        err = rel_err(got(TOKENS), want)
+        assert err > 1e-3 if name == "all-rope" else err < 1e-6
+
+
+def test_mistral_v01_slides_its_window(tmp_path: Path) -> None:
+    """Mistral 7B v0.1 states a sliding window, and HF attends within it: with one layer
+    and relative positions (RoPE), each position's logits are those of the last `window`
+    tokens read on their own; one-token steps give the full pass's logits."""
+    folder = write_tiny_model(tmp_path / "m", "mistral", num_hidden_layers=1)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": 5}))
+    model, _ = load_weights(folder, backend="cpu")
+    assert model.args.layer_window(0) == 5
+    tokens = TOKENS[:, :12]
+    full = model(tokens)
+    for p in (4, 5, 8, 11):
+        alone = model(tokens[:, max(0, p - 4):p + 1])[:, -1]
+        assert rel_err(full[:, p], alone) < 1e-4, p
+    caches = make_caches(model.n_layers, chunk=4)
+    steps = [model(tokens[:, t:t + 1], cache=caches) for t in range(tokens.shape[1])]
+    assert rel_err(mx.concatenate(steps, axis=1), full) < 1e-4
+    # without the window (v0.2 and later state none) position 11 reads all 12 tokens
+    (folder / "config.json").write_text(json.dumps({**config, "sliding_window": None}))
+    unwindowed, _ = load_weights(folder, backend="cpu")
+    assert rel_err(unwindowed(tokens)[:, 11], full[:, 11]) > 1e-3
 
 
 def test_gemma_config_errors_are_named() -> None:
