@@ -27,6 +27,7 @@ from engine.errors import EngineError, ModelFormatError
 from engine.layout import choose_layout
 from engine.models import Model, ModelArgs
 from engine.models.decoder import product_modules, store_column_major
+from engine.models.experts import QuantizedSwitchLinear, SwitchLinear
 from engine.models.text_part import text_model
 from engine.weights import (
     QuantSpec,
@@ -258,7 +259,7 @@ def _quant_plan(
     """Module path -> how it is stored, for every quantized Linear/Embedding."""
     plan: dict[str, QuantSpec] = {}
     for path, module in model.named_modules():
-        if isinstance(module, nn.Linear | nn.Embedding):
+        if isinstance(module, nn.Linear | nn.Embedding | SwitchLinear):
             in_dims = module.weight.shape[-1]
             spec = module_quant_spec(block, path, in_dims, tensors)
             if spec is not None:
@@ -305,6 +306,11 @@ def _check_against_model(
     """Every expected parameter present with the right shape and kind; nothing unexpected."""
     expected = dict(tree_flatten(model.parameters()))
     missing = sorted(set(expected) - set(tensors))
+    if missing and any(".mlp.experts." in k for k in tensors):
+        raise ModelFormatError(
+            f"{folder}: each expert's weights are stored apart, as transformers saves them; "
+            "Understudy reads them stacked, as `mlx_lm.convert` writes them (the "
+            "mlx-community conversions are)")
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8
                                           else "")
@@ -469,7 +475,8 @@ def weight_stats(model: Model) -> tuple[int, int]:
     n_params = 0
     n_bytes = 0
     for _, module in model.named_modules():
-        packed = isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding)
+        packed = isinstance(module, nn.QuantizedLinear | nn.QuantizedEmbedding
+                            | QuantizedSwitchLinear)
         for name, value in module.items():
             if not isinstance(value, mx.array) or name.startswith("_"):
                 continue

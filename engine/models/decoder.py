@@ -1,8 +1,10 @@
-"""One decoder-only transformer for llama, mistral, qwen2, qwen3, SmolLM3 and Gemma 3.
+"""One decoder-only transformer for llama, mistral, qwen2, qwen3 (and its MoE), SmolLM3 and
+Gemma 3.
 
 They differ only in switches read from `config.json`: qwen2 adds biases to the q/k/v
 projections, qwen3 normalises q and k per head, llama3 rescales RoPE frequencies, SmolLM3
-leaves RoPE out of every fourth layer, Mistral 7B v0.1 slides a 4,096-token window. Gemma 3
+leaves RoPE out of every fourth layer, Mistral 7B v0.1 slides a 4,096-token window,
+Qwen3-MoE routes each token through k of its experts' MLPs (`engine.models.experts`). Gemma 3
 (`gemma3_text`, the text-only checkpoints such as gemma-3-270m and gemma-3-1b) adds more:
 embeddings scaled by sqrt(hidden_size), norms that multiply by 1 + weight (folded into the
 weights when they load, `Model.sanitize`), q/k norms, a norm after attention and around the
@@ -25,11 +27,12 @@ import mlx.nn as nn
 from engine.cache import KVCache
 from engine.errors import ModelFormatError, UnsupportedModelError
 from engine.models.attention import attention, slide_window
+from engine.models.experts import SparseMoE
 from engine.models.rope import rope_table
 from engine.models.taps import Capture, FeatureTap, FeatureTaps
 from kernels import dispatch
 
-DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3")
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3", "qwen3_moe")
 # config.json model types the loader reads: these, and Gemma 3's vision-language
 # checkpoints, whose text model is a gemma3_text (`engine.models.text_part`)
 SUPPORTED_MODEL_TYPES = (*DECODER_TYPES, "gemma3")
@@ -68,6 +71,14 @@ class ModelArgs:
     # SmolLM3: layers without RoPE ("NoPE"), listed (1 = RoPE) or every `interval`-th
     no_rope_layers: list[int] | None = None
     no_rope_layer_interval: int | None = None
+    # Qwen3-MoE: `num_experts_per_tok` of `num_experts` expert MLPs per token, on every
+    # `decoder_sparse_step`-th layer but those `mlp_only_layers` lists
+    num_experts: int | None = None
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -89,6 +100,8 @@ class ModelArgs:
             self._check_window()
         if self.model_type == "smollm3":
             self._check_nope()
+        if self.model_type == "qwen3_moe":
+            self._check_experts()
         if self.num_attention_heads % self.num_key_value_heads:
             raise ModelFormatError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) is not a "
@@ -181,6 +194,33 @@ class ModelArgs:
             raise ModelFormatError(
                 f"config.json: no_rope_layer_interval must be a positive integer, got {every!r}")
 
+    def _check_experts(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "decoder_sparse_step"):
+            value = getattr(self, name)
+            if not (_is_int(value) and value >= 1):
+                raise ModelFormatError(
+                    f"config.json: {name} must be a positive integer, got {value!r}")
+        assert self.num_experts is not None and self.num_experts_per_tok is not None
+        if self.num_experts_per_tok > self.num_experts:
+            raise ModelFormatError(
+                f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) is more than "
+                f"num_experts ({self.num_experts})")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ModelFormatError(
+                f"config.json: norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
+        if not isinstance(self.mlp_only_layers, list) or not all(
+                _is_int(i) for i in self.mlp_only_layers):
+            raise ModelFormatError(
+                f"config.json: mlp_only_layers must list layer indices, got "
+                f"{self.mlp_only_layers!r}")
+
+    def layer_is_sparse(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts (Qwen3-MoE's, but the dense ones
+        `mlp_only_layers` lists)."""
+        return (self.model_type == "qwen3_moe" and i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0)
+
     def layer_has_rope(self, i: int) -> bool:
         """Whether layer i rotates q and k (SmolLM3 leaves every fourth layer without)."""
         if self.model_type != "smollm3":
@@ -195,7 +235,7 @@ class ModelArgs:
 
     @property
     def qk_norm(self) -> bool:
-        return self.model_type == "qwen3" or self.is_gemma
+        return self.model_type in ("qwen3", "qwen3_moe") or self.is_gemma
 
     @property
     def attention_scale(self) -> float:
@@ -450,7 +490,13 @@ class DecoderLayer(nn.Module):
         super().__init__()
         D, eps = args.hidden_size, args.rms_norm_eps
         self.self_attn = Attention(args, layer)
-        self.mlp = MLP(args)
+        if args.layer_is_sparse(layer):
+            assert (args.moe_intermediate_size and args.num_experts
+                    and args.num_experts_per_tok)
+            self.mlp = SparseMoE(D, args.moe_intermediate_size, args.num_experts,
+                                 args.num_experts_per_tok, args.norm_topk_prob)
+        else:
+            self.mlp = MLP(args)
         self.input_layernorm = nn.RMSNorm(D, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(D, eps=eps)
         if args.is_gemma:  # sandwich norms: after attention, and before and after the MLP

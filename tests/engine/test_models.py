@@ -62,6 +62,10 @@ CASES: dict[str, dict[str, Any]] = {
                        "quantize": (32, 4), "dtype": "bfloat16"},
     # the third layer has no RoPE
     "smollm3-nope": {"model_type": "smollm3", "num_hidden_layers": 3},
+    # 2 of 4 experts per token on two layers, the third dense
+    "qwen3-moe": {"model_type": "qwen3_moe", "num_hidden_layers": 3, "tie": False},
+    "qwen3-moe-q4": {"model_type": "qwen3_moe", "num_hidden_layers": 3, "tie": False,
+                     "quantize": (32, 4)},
 }
 
 TOKENS = mx.array([[1, 17, 42, 299, 5, 77, 123, 2, 64, 9, 250, 33]])
@@ -137,7 +141,7 @@ def test_rope_parameters_config_matches_legacy_keys(
 @pytest.mark.parametrize(("case", "backend"), [
     ("llama-gqa-tied", "cpu"), ("llama3-rope-scaling", "cpu"), ("qwen2-bias", "cpu"),
     ("qwen3-qk-norm", "cpu"), ("llama-q4", "metal"), ("gemma3", "cpu"),
-    ("gemma3-q4-bf16", "metal"),
+    ("gemma3-q4-bf16", "metal"), ("qwen3-moe", "cpu"), ("qwen3-moe-q4", "metal"),
 ])
 def test_incremental_decoding_matches_full_forward(
     model_dirs: dict[str, Path], case: str, backend: str
@@ -239,6 +243,24 @@ def test_a_gemma3_wrapper_without_its_text_config_is_named(tmp_path: Path) -> No
         load_weights(wrapped, backend="cpu")
 
 
+def test_qwen3_moe_routes_each_row_to_its_experts(model_dirs: dict[str, Path]) -> None:
+    """The experts are real: every row's output depends on which k it routes to (forcing
+    one expert on all gives other logits), and the stacked experts load as float32 on the
+    CPU policy and stay quantized under the Metal policy."""
+    from engine.models.experts import QuantizedSwitchLinear, SparseMoE, SwitchLinear
+
+    model, _ = load_weights(model_dirs["qwen3-moe"], backend="cpu")
+    moe = model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoE) and isinstance(moe.switch_mlp.gate_proj, SwitchLinear)
+    assert not isinstance(model.model.layers[2].mlp, SparseMoE)  # mlp_only_layers
+    assert moe.switch_mlp.gate_proj.weight.dtype == mx.float32
+    want = model(TOKENS)
+    moe.top_k = 1
+    assert rel_err(model(TOKENS), want) > 1e-3
+    kept, _ = load_weights(model_dirs["qwen3-moe-q4"], backend="metal")
+    assert isinstance(kept.model.layers[0].mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+
+
 def test_smollm3_layers_without_rope_are_real(model_dirs: dict[str, Path],
                                              tmp_path: Path) -> None:
     """Negative control for the mlx-lm case: rotating every layer gives other logits;
@@ -282,7 +304,7 @@ def test_mistral_v01_slides_its_window(tmp_path: Path) -> None:
     assert rel_err(unwindowed(tokens)[:, 11], full[:, 11]) > 1e-3
 
 
-def test_gemma_config_errors_are_named() -> None:
+def test_gemma_and_moe_config_errors_are_named() -> None:
     base = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2,
             "intermediate_size": 128, "num_attention_heads": 4, "vocab_size": 300}
     for bad, message in (
@@ -295,6 +317,16 @@ def test_gemma_config_errors_are_named() -> None:
     ):
         with pytest.raises(EngineError, match=message):
             ModelArgs.from_config({**base, **bad})
+    moe = {**base, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32}
+    ModelArgs.from_config(moe)
+    for bad, message in (
+        ({"num_experts_per_tok": 8}, "num_experts_per_tok \\(8\\) is more than"),
+        ({"num_experts": "4"}, "num_experts must be a positive integer"),
+        ({"mlp_only_layers": "0"}, "mlp_only_layers must list"),
+    ):
+        with pytest.raises(EngineError, match=message):
+            ModelArgs.from_config({**moe, **bad})
     # layer_types, where given, says which layers slide
     args = ModelArgs.from_config({**base, "sliding_window": 16,
                                   "layer_types": ["full_attention", "sliding_attention"]})

@@ -1,0 +1,99 @@
+"""Mixture-of-experts MLPs (Qwen3-MoE): a router picks k of E expert MLPs per token.
+
+Qwen3-30B-A3B holds 128 experts a layer and runs 8 of them per token, so a token costs
+about what a 3B model's does while the weights are those of a 30B one: on a Mac with the
+memory for it, the fastest large model there is, and Qwen3-0.6B (the same tokenizer)
+drafts for it.
+
+The experts of a layer are stacked, one (E, out, in) tensor per projection, as mlx-lm
+converts the checkpoints (`mlp.switch_mlp.{gate,up,down}_proj`), and a pass multiplies
+each row by its own k experts through MLX's gather products: `mx.gather_mm` on float
+weights, `mx.gather_qmm` on quantized ones. A verify pass's rows, a draft tree's
+included, each route on their own, exactly as one-token steps would.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class SwitchLinear(nn.Module):
+    """E linear layers stacked, (E, out, in); row r goes through the experts `idx[r]` names."""
+
+    def __init__(self, in_dims: int, out_dims: int, n_experts: int) -> None:
+        super().__init__()
+        bound = math.sqrt(1 / in_dims)
+        self.weight = mx.random.uniform(-bound, bound, (n_experts, out_dims, in_dims))
+
+    def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
+        """x (..., 1 or k, 1, in), idx (..., k) -> (..., k, 1, out)."""
+        return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=idx)
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4, mode: str = "affine",
+                     **_: object) -> QuantizedSwitchLinear:
+        """What `nn.quantize` builds for a quantized checkpoint."""
+        return QuantizedSwitchLinear.from_switch(self, group_size, bits, mode)
+
+
+class QuantizedSwitchLinear(nn.Module):
+    """`SwitchLinear` with each expert's weight stored as MLX's affine quantization."""
+
+    def __init__(self, in_dims: int, out_dims: int, n_experts: int, group_size: int = 64,
+                 bits: int = 4, mode: str = "affine") -> None:
+        super().__init__()
+        self.group_size, self.bits, self.mode = group_size, bits, mode
+        self.weight, self.scales, self.biases = mx.quantize(
+            mx.zeros((n_experts, out_dims, in_dims)), group_size, bits)
+        self.freeze()
+
+    @classmethod
+    def from_switch(cls, layer: SwitchLinear, group_size: int, bits: int,
+                    mode: str) -> QuantizedSwitchLinear:
+        n_experts, out_dims, in_dims = layer.weight.shape
+        return cls(in_dims, out_dims, n_experts, group_size, bits, mode)
+
+    def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
+        return mx.gather_qmm(x, self["weight"], self["scales"], self["biases"],
+                             rhs_indices=idx, transpose=True, group_size=self.group_size,
+                             bits=self.bits)
+
+
+class SwitchGLU(nn.Module):
+    """The experts' SwiGLU MLPs, stacked: down(silu(gate(x)) * up(x)) through k of them."""
+
+    def __init__(self, dims: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        self.gate_proj = SwitchLinear(dims, hidden, n_experts)
+        self.up_proj = SwitchLinear(dims, hidden, n_experts)
+        self.down_proj = SwitchLinear(hidden, dims, n_experts)
+
+    def __call__(self, x: mx.array, idx: mx.array) -> mx.array:
+        """x (B, L, D), idx (B, L, k) -> (B, L, k, D): each row through each of its k."""
+        x = mx.expand_dims(x, (-2, -3))  # (B, L, 1, 1, D): one row, shared by its k experts
+        h = nn.silu(self.gate_proj(x, idx)) * self.up_proj(x, idx)  # (B, L, k, 1, H)
+        return self.down_proj(h, idx).squeeze(-2)
+
+
+class SparseMoE(nn.Module):
+    """Route each row to its `top_k` experts by the router's softmax and sum their outputs
+    weighted by it (renormalized over the k where `norm_topk_prob`, as Qwen3 does)."""
+
+    def __init__(self, dims: int, hidden: int, n_experts: int, top_k: int,
+                 norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(dims, n_experts, bias=False)
+        self.switch_mlp = SwitchGLU(dims, hidden, n_experts)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        probs = mx.softmax(self.gate(x).astype(mx.float32), axis=-1)
+        idx = mx.argpartition(probs, kth=-self.top_k, axis=-1)[..., -self.top_k:]
+        weights = mx.take_along_axis(probs, idx, axis=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        out = self.switch_mlp(x, mx.stop_gradient(idx))  # (B, L, k, D)
+        return (out * weights[..., None].astype(out.dtype)).sum(axis=-2)
