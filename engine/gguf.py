@@ -40,7 +40,7 @@ from engine.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_
 from engine.loading import default_backend, holds_quantized
 from engine.weights import WeightPlan, check_memory
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 GROUP_SIZE = 32  # GGUF block size of Q4_0/Q4_1/Q8_0, kept by MLX as the quantization group
 IMPORTER_VERSION = 1
 IMPORT_INFO = "import_info.json"
@@ -48,8 +48,10 @@ FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer
                 "generation_config.json", IMPORT_INFO)
 
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-_MODEL_TYPE = {"gemma3": "gemma3_text"}  # config.json's model_type where it is not the arch
+            "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+            "gemma3": "Gemma3ForCausalLM"}
+# config.json's model_type where it is not the arch
+_MODEL_TYPE = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
 _LAYER_NAMES = {
@@ -72,6 +74,14 @@ _GEMMA3_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Qwen3-MoE's router and stacked experts (llama.cpp stores them stacked, as mlx-lm does)
+_MOE_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 # Ollama's Gemma 3 files hold the vision tower and projector beside the text model
 _IMAGE_PREFIXES = {"gemma3": ("v.", "mm.")}
@@ -177,7 +187,10 @@ def _config(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, Tenso
         "architectures": [_HF_ARCH[arch]],
         "model_type": _MODEL_TYPE.get(arch, arch),
         "hidden_size": hidden,
-        "intermediate_size": int(_require(src, meta, f"{arch}.feed_forward_length")),
+        "intermediate_size": int(_require(src, meta, f"{arch}.feed_forward_length"
+                                          if arch != "qwen3moe"
+                                          or meta_value(meta, f"{arch}.feed_forward_length")
+                                          else f"{arch}.expert_feed_forward_length")),
         "num_hidden_layers": int(_require(src, meta, f"{arch}.block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
@@ -187,8 +200,10 @@ def _config(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, Tenso
         "vocab_size": int(tensors["token_embd.weight"].shape[0]),
         "tie_word_embeddings": "output.weight" not in tensors,
     }
-    if head_dim != hidden // n_heads or arch in ("qwen3", "gemma3"):
+    if head_dim != hidden // n_heads or arch in ("qwen3", "qwen3moe", "gemma3"):
         config["head_dim"] = head_dim
+    if arch == "qwen3moe":
+        config |= _experts_config(src, arch, meta)
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         config["attention_bias"] = True
     if arch == "gemma3":
@@ -203,6 +218,20 @@ def _config(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, Tenso
     if eos is not None:
         config["eos_token_id"] = int(eos)
     return config
+
+
+def _experts_config(src: Path, arch: str, meta: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-MoE's expert counts; every layer sparse, the chosen experts' weights
+    renormalized (llama.cpp's `norm_w` for this arch)."""
+    return {
+        "num_experts": int(_require(src, meta, f"{arch}.expert_count")),
+        "num_experts_per_tok": int(_require(src, meta, f"{arch}.expert_used_count")),
+        "moe_intermediate_size": int(_require(src, meta,
+                                              f"{arch}.expert_feed_forward_length")),
+        "norm_topk_prob": bool(meta_value(meta, f"{arch}.expert_weights_norm", True)),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    }
 
 
 def _gemma3_config(src: Path, meta: dict[str, Any], config: dict[str, Any], head_dim: int
@@ -288,7 +317,8 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
         return None
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
-    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    layer_names = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES}.get(
+        arch, _LAYER_NAMES)
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
@@ -305,7 +335,8 @@ def _hf_weights(src: Path, arch: str, config: dict[str, Any], tensors: dict[str,
     if unknown:
         raise UnsupportedModelError(
             f"{src}: unexpected tensors {', '.join(sorted(unknown)[:3])} (not a plain "
-            f"{arch} decoder; merged QKV or mixture-of-experts GGUFs are not supported)")
+            f"{arch} decoder; merged QKV GGUFs, and mixture-of-experts ones but Qwen3-MoE's, "
+            "are not supported)")
     heads = {"self_attn.q_proj": config["num_attention_heads"],
              "self_attn.k_proj": config["num_key_value_heads"]}
     weights: dict[str, mx.array] = {}
@@ -348,7 +379,7 @@ def _held(x: mx.array, ggml_type: str, suffix: str, quantize: bool
     if not quantize:
         return x
     bits = mlx_bits(ggml_type)
-    cols = x.shape[-1] if x.ndim == 2 else 0
+    cols = x.shape[-1] if x.ndim >= 2 else 0  # a matrix, or stacked experts' matrices
     group = next((g for g in (REQUANT_GROUP, 32) if cols and cols % g == 0), None)
     if bits is None or suffix != "weight" or group is None:
         return x.astype(mx.float16)

@@ -543,3 +543,101 @@ def test_a_gemma3_gguf_imports_as_the_model_it_was_converted_from(tmp_path: Path
     tokens = mx.array([[1, 17, 42, 201, 5, 77, 123, 2, 64, 9, 250, 33] * 2])
     want = ref(tokens)
     assert (mx.abs(ours(tokens) - want).max() / mx.abs(want).max()).item() < 1e-5
+
+
+# ---------------------------------------------------------------------------- Qwen3-MoE
+
+MOE_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+    "mlp.switch_mlp.gate_proj": "ffn_gate_exps", "mlp.switch_mlp.up_proj": "ffn_up_exps",
+    "mlp.switch_mlp.down_proj": "ffn_down_exps",
+}
+
+
+@pytest.mark.parametrize("expert_type", [Q.F32, Q.Q8_0, Q.Q5_0], ids=["f32", "q8_0", "q5_0"])
+def test_a_qwen3_moe_gguf_imports_with_its_experts_stacked(tmp_path: Path,
+                                                           expert_type: Q) -> None:
+    """Ollama's qwen3:30b and LM Studio's Qwen3-30B-A3B files: llama.cpp stores each
+    layer's experts stacked, as the decoder holds them; quantized, they are decoded (or
+    read as MLX reads Q8_0) and held as the backend wants, stacked still; Q5_0 takes the
+    decoding path K-quants take."""
+    from safetensors.numpy import load_file
+
+    from engine.loading import load_weights
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    # llama.cpp's qwen3moe has no dense layers
+    # (rows of 64: whole quantization blocks)
+    hf_folder = write_tiny_model(tmp_path / "hf", "qwen3_moe", num_hidden_layers=2, tie=False,
+                                 config_overrides={"mlp_only_layers": [],
+                                                   "moe_intermediate_size": 64})
+    config = read_json(hf_folder, "config.json")
+    hf = load_file(str(hf_folder / "model.safetensors"))
+    tokens, token_types = vocabulary()
+    tokens += [f"<unused{i}>" for i in range(config["vocab_size"] - len(tokens))]
+    token_types += [3] * (config["vocab_size"] - len(token_types))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_expert_count(config["num_experts"])
+    w.add_expert_used_count(config["num_experts_per_tok"])
+    w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(MERGES)
+    w.add_eos_token_id(2)
+    w.add_chat_template(TEMPLATE)
+    dense = {}
+    for name, x in hf.items():
+        top = {"model.embed_tokens.weight": "token_embd.weight",
+               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+        if name in top:
+            gname = top[name]
+        else:
+            layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
+            gname = f"blk.{layer}.{MOE_TO_GGUF[module]}.weight"
+        if gname.endswith("_exps.weight") and expert_type != Q.F32:
+            packed = gguf.quants.quantize(x, expert_type)
+            w.add_tensor(gname, packed, raw_dtype=expert_type)
+            x = gguf.quants.dequantize(packed, expert_type)  # what the file holds
+        else:
+            w.add_tensor(gname, x.astype(np.float32))
+        dense[name] = x.astype(np.float32)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    # the reference: the HF folder holding exactly the weights the file holds
+    mx.save_safetensors(str(hf_folder / "model.safetensors"),
+                        {k: mx.array(v) for k, v in dense.items()})
+    (hf_folder / "config.json").write_text(json.dumps(config))
+    out = import_gguf(tmp_path / "m.gguf", tmp_path / "imported", backend="cpu")
+    imported = read_json(out, "config.json")
+    assert imported["model_type"] == "qwen3_moe"
+    assert (imported["num_experts"], imported["num_experts_per_tok"]) == (4, 2)
+    ours, _ = load_weights(out, backend="cpu")
+    ref, _ = load_weights(hf_folder, backend="cpu")
+    ids = mx.array([[1, 17, 42, 201, 5, 77, 123, 2, 64, 9, 250, 33]])
+    want = ref(ids)
+    assert (mx.abs(ours(ids) - want).max() / mx.abs(want).max()).item() < 1e-4
+    if expert_type == Q.Q5_0:
+        # where weights stay quantized, decoded experts are quantized again, stacked
+        from engine.models.experts import QuantizedSwitchLinear
+
+        kept = import_gguf(tmp_path / "m.gguf", tmp_path / "kept", backend="metal")
+        held, _ = load_weights(kept, backend="metal")
+        assert isinstance(held.model.layers[0].mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+        assert (mx.abs(held(ids) - want).max() / mx.abs(want).max()).item() < 5e-2
