@@ -1,10 +1,12 @@
-"""One decoder-only transformer for llama, mistral, qwen2, qwen3 (and its MoE), SmolLM3 and
-Gemma 3.
+"""One decoder-only transformer for llama, mistral, qwen2, qwen3 (and its MoE), SmolLM3,
+Phi-3/Phi-4 and Gemma 3.
 
 They differ only in switches read from `config.json`: qwen2 adds biases to the q/k/v
 projections, qwen3 normalises q and k per head, llama3 rescales RoPE frequencies, SmolLM3
 leaves RoPE out of every fourth layer, Mistral 7B v0.1 slides a 4,096-token window,
-Qwen3-MoE routes each token through k of its experts' MLPs (`engine.models.experts`). Gemma 3
+Qwen3-MoE routes each token through k of its experts' MLPs (`engine.models.experts`),
+Phi-3 fuses q/k/v and gate/up into one matrix each and may rotate only part of each head
+with LongRoPE's per-frequency stretch. Gemma 3
 (`gemma3_text`, the text-only checkpoints such as gemma-3-270m and gemma-3-1b) adds more:
 embeddings scaled by sqrt(hidden_size), norms that multiply by 1 + weight (folded into the
 weights when they load, `Model.sanitize`), q/k norms, a norm after attention and around the
@@ -32,13 +34,14 @@ from engine.models.rope import rope_table
 from engine.models.taps import Capture, FeatureTap, FeatureTaps
 from kernels import dispatch
 
-DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3", "qwen3_moe")
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3", "qwen3_moe",
+                 "phi3")
 # config.json model types the loader reads: these, and Gemma 3's vision-language
 # checkpoints, whose text model is a gemma3_text (`engine.models.text_part`)
 SUPPORTED_MODEL_TYPES = (*DECODER_TYPES, "gemma3")
 GEMMA_TYPES = ("gemma3_text",)
 # the RoPE scalings the decoder computes (`rope_frequencies`)
-ROPE_SCALINGS = (None, "default", "llama3", "linear")
+ROPE_SCALINGS = (None, "default", "llama3", "linear", "longrope", "su")
 
 
 @dataclass
@@ -79,6 +82,9 @@ class ModelArgs:
     norm_topk_prob: bool = False
     decoder_sparse_step: int = 1
     mlp_only_layers: list[int] = field(default_factory=list)
+    # Phi-3/Phi-4: RoPE over this share of each head's dims; LongRoPE's original window
+    partial_rotary_factor: float = 1.0
+    original_max_position_embeddings: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -96,7 +102,8 @@ class ModelArgs:
             self.attention_bias = self.model_type == "qwen2"
         if self.is_gemma:
             self._check_gemma()
-        if self.model_type == "mistral":
+        self._check_rotary()
+        if self.model_type in ("mistral", "phi3"):
             self._check_window()
         if self.model_type == "smollm3":
             self._check_nope()
@@ -140,12 +147,51 @@ class ModelArgs:
         if kind not in ROPE_SCALINGS:
             raise UnsupportedModelError(
                 f"config.json: rope_scaling type {kind!r} is not supported "
-                "(supported: default, llama3, linear)")
+                "(supported: default, llama3, linear, longrope)")
         factor = scaling.get("factor")
         if kind in ("llama3", "linear") and not (
                 (_is_int(factor) or isinstance(factor, float)) and factor > 0):
             raise ModelFormatError(
                 f"config.json: rope_scaling.factor must be a positive number, got {factor!r}")
+
+    def _check_rotary(self) -> None:
+        """Partial rotary and LongRoPE's factors, once head_dim is known."""
+        share = self.partial_rotary_factor
+        if not ((_is_int(share) or isinstance(share, float)) and 0 < share <= 1):
+            raise ModelFormatError(
+                f"config.json: partial_rotary_factor must be in (0, 1], got {share!r}")
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+            return
+        half = self.rotary_dims // 2
+        for name in ("short_factor", "long_factor"):
+            value = scaling.get(name)
+            if not (isinstance(value, list) and len(value) == half and all(
+                    (_is_int(v) or isinstance(v, float)) and v > 0 for v in value)):
+                raise ModelFormatError(
+                    f"config.json: rope_scaling.{name} must list {half} positive numbers "
+                    "(one per rotated frequency)")
+
+    @property
+    def rotary_dims(self) -> int:
+        """How many of each head's dims RoPE rotates (Phi-4-mini: three quarters)."""
+        assert self.head_dim is not None
+        return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
+
+    @property
+    def rope_scale(self) -> float:
+        """LongRoPE's magnitude correction for the window it stretches to (1 elsewhere):
+        what the config states, else sqrt(1 + ln(s) / ln(original)) for the stretch s."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+            return 1.0
+        stated = scaling.get("long_mscale") or scaling.get("attention_factor")
+        if stated:
+            return float(stated)
+        original = (scaling.get("original_max_position_embeddings")
+                    or self.original_max_position_embeddings or self.max_position_embeddings)
+        stretch = self.max_position_embeddings / original
+        return math.sqrt(1 + math.log(stretch) / math.log(original)) if stretch > 1 else 1.0
 
     def _check_gemma(self) -> None:
         """Gemma's own fields, each of its kind; the soft-capping Gemma 2 used is refused
@@ -230,6 +276,12 @@ class ModelArgs:
         return (i + 1) % (self.no_rope_layer_interval or 4) != 0
 
     @property
+    def fused_projections(self) -> bool:
+        """Whether q/k/v and gate/up are each one matrix (Phi-3's `qkv_proj`,
+        `gate_up_proj`)."""
+        return self.model_type == "phi3"
+
+    @property
     def is_gemma(self) -> bool:
         return self.model_type in GEMMA_TYPES
 
@@ -246,11 +298,12 @@ class ModelArgs:
 
     def layer_window(self, i: int) -> int | None:
         """How many positions layer i attends back over (itself included), or None for all:
-        Gemma 3's sliding layers, and every layer of a Mistral that states a window
-        (7B v0.1; later versions set none)."""
+        Gemma 3's sliding layers, and every layer of a Mistral or a Phi-3 that states a
+        window (Mistral 7B v0.1's 4,096, Phi-3-mini-4k's 2,047; transformers applies them,
+        mlx-lm does not)."""
         if self.sliding_window is None:
             return None
-        if self.model_type == "mistral":
+        if self.model_type in ("mistral", "phi3"):
             return self.sliding_window
         if not self.is_gemma:
             return None  # qwen2's configs state one they do not use
@@ -321,8 +374,12 @@ def rope_frequencies(args: ModelArgs, base: float | None = None,
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind in (None, "default"):
         return None
-    dims = args.head_dim
-    assert dims is not None
+    dims = args.rotary_dims
+    if kind in ("longrope", "su"):
+        # LongRoPE: each frequency stretched by its own factor; the long ones, as mlx-lm
+        # uses them, since a chat here may run to the whole window the config states
+        return mx.array(scaling["long_factor"], mx.float32) * base ** (
+            mx.arange(0, dims, 2, dtype=mx.float32) / dims)
     factor = scaling["factor"]
     if kind == "linear":  # positions divided by the factor: every period times it
         return factor * base ** (mx.arange(0, dims, 2) / dims)
@@ -415,17 +472,23 @@ class Attention(nn.Module):
         self.rotates = args.layer_has_rope(layer)
         bias = bool(args.attention_bias)
         D = args.hidden_size
-        self.q_proj = Linear(D, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(D, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.n_heads * self.head_dim, D, bias=False)
+        q_out, kv_out = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        if args.fused_projections:  # Phi-3: one product for q, k and v
+            self.qkv_proj = Linear(D, q_out + 2 * kv_out, bias=bias)
+        else:
+            self.q_proj = Linear(D, q_out, bias=bias)
+            self.k_proj = Linear(D, kv_out, bias=bias)
+            self.v_proj = Linear(D, kv_out, bias=bias)
+        self.o_proj = Linear(q_out, D, bias=False)
+        self.rot = args.rotary_dims
         if args.qk_norm:
             self.q_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
             self.k_norm = nn.RMSNorm(self.head_dim, eps=args.rms_norm_eps)
         base, scaling = args.layer_rope(layer)
         self._freqs = rope_frequencies(args, base, scaling)
         self._base = None if self._freqs is not None else base
-        self._table = rope_table(self.head_dim, self._base, self._freqs)
+        self._scale = args.rope_scale
+        self._table = rope_table(self.rot, self._base, self._freqs, self._scale)
 
     def __call__(
         self, x: mx.array, mask: mx.array | str | None = None, cache: KVCache | None = None,
@@ -434,9 +497,15 @@ class Attention(nn.Module):
         """`positions` (L,) int32: each row's absolute position (a draft tree's nodes sit at
         committed length + depth); None means consecutive from the cache's length."""
         B, L, D = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, self.head_dim)
-        k = self.k_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(B, L, self.n_kv_heads, self.head_dim)
+        if "qkv_proj" in self:
+            q_out = self.n_heads * self.head_dim
+            q, k, v = mx.split(self.qkv_proj(x),
+                               [q_out, q_out + self.n_kv_heads * self.head_dim], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, L, self.n_heads, self.head_dim)
+        k = k.reshape(B, L, self.n_kv_heads, self.head_dim)
+        v = v.reshape(B, L, self.n_kv_heads, self.head_dim)
         if "q_norm" in self:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.transpose(0, 2, 1, 3)  # (B, heads, L, head_dim)
@@ -458,16 +527,22 @@ class Attention(nn.Module):
         CPU from a cos/sin table (`engine.models.rope`: MLX's CPU kernel works the angles
         out on every call); on a GPU the fused kernel, where a tree's rows go through it as
         a batch of one-row sequences with their own offsets."""
-        if mx.default_device().type == mx.DeviceType.cpu:
+        if mx.default_device().type != mx.DeviceType.cpu:
+            return self._fused_rope(x, offset, positions)
+        if self.rot == self.head_dim:
             return self._table.apply(x, offset, positions)
-        return self._fused_rope(x, offset, positions)
+        # partial rotary: the first `rot` dims turn, the rest pass as they are
+        turned = self._table.apply(x[..., :self.rot], offset, positions)
+        return mx.concatenate([turned, x[..., self.rot:]], axis=-1)
 
     def _fused_rope(self, x: mx.array, offset: int, positions: mx.array | None) -> mx.array:
+        if self._scale != 1.0:
+            x = mx.concatenate([x[..., :self.rot] * self._scale, x[..., self.rot:]], axis=-1)
         if positions is None:
-            return mx.fast.rope(x, self.head_dim, traditional=False, base=self._base,
+            return mx.fast.rope(x, self.rot, traditional=False, base=self._base,
                                 scale=1.0, offset=offset, freqs=self._freqs)
         rows = x.transpose(2, 1, 0, 3)  # (L, heads, B, head_dim): one row per "batch"
-        rows = mx.fast.rope(rows, self.head_dim, traditional=False, base=self._base,
+        rows = mx.fast.rope(rows, self.rot, traditional=False, base=self._base,
                             scale=1.0, offset=positions, freqs=self._freqs)
         return rows.transpose(2, 1, 0, 3)
 
@@ -476,13 +551,20 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         D, H, bias = args.hidden_size, args.intermediate_size, args.mlp_bias
-        self.gate_proj = Linear(D, H, bias=bias)
-        self.up_proj = Linear(D, H, bias=bias)
+        if args.fused_projections:  # Phi-3: gate and up in one product, gate first
+            self.gate_up_proj = Linear(D, 2 * H, bias=bias)
+        else:
+            self.gate_proj = Linear(D, H, bias=bias)
+            self.up_proj = Linear(D, H, bias=bias)
         self.down_proj = Linear(H, D, bias=bias)
         self._act = nn.gelu_approx if args.is_gemma else nn.silu
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(self._act(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(self._act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

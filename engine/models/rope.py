@@ -25,12 +25,15 @@ MIN_ROWS = 4096  # the first table's positions: a short chat never grows it
 class RopeTable:
     """cos/sin of every (position, frequency) pair for HF-style ("rotate half") RoPE."""
 
-    def __init__(self, dims: int, inverse_periods: tuple[float, ...]) -> None:
+    def __init__(self, dims: int, inverse_periods: tuple[float, ...], scale: float = 1.0) -> None:
         if dims % 2 or len(inverse_periods) != dims // 2:
             raise ValueError(f"RoPE over {dims} dims needs {dims // 2} frequencies, "
                              f"got {len(inverse_periods)}")
         self.dims = dims
         self._inverse = np.asarray(inverse_periods, dtype=np.float64)
+        # LongRoPE's magnitude correction, baked into cos and sin: the rotated dims come
+        # out this many times longer, as if they were scaled before the rotation
+        self.scale = scale
         # host-made arrays (no stream): any thread's passes may read them
         self._cos: mx.array | None = None
         self._sin: mx.array | None = None
@@ -63,28 +66,31 @@ class RopeTable:
                 size = max(end, 2 * self.rows, MIN_ROWS)
                 angles = np.arange(size, dtype=np.float64)[:, None] * self._inverse[None, :]
                 angles = np.concatenate([angles, angles], axis=-1)
-                self._cos = mx.array(np.cos(angles).astype(np.float32))
-                self._sin = mx.array(np.sin(angles).astype(np.float32))
+                self._cos = mx.array((self.scale * np.cos(angles)).astype(np.float32))
+                self._sin = mx.array((self.scale * np.sin(angles)).astype(np.float32))
             assert self._cos is not None and self._sin is not None
             return self._cos, self._sin
 
 
-def rope_table(dims: int, base: float | None, freqs: mx.array | None) -> RopeTable:
+def rope_table(dims: int, base: float | None, freqs: mx.array | None,
+               scale: float = 1.0) -> RopeTable:
     """The shared table for `mx.fast.rope`'s parameters: `base` (frequency i is
-    base^(-2i/dims)), or `freqs`, the periods over 2 pi (frequency i is 1 / freqs[i])."""
+    base^(-2i/dims)), or `freqs`, the periods over 2 pi (frequency i is 1 / freqs[i]);
+    `scale` multiplies the rotated values (LongRoPE's)."""
     if freqs is not None:
         periods = tuple(float(f) for f in np.asarray(freqs, dtype=np.float64))
-        return _shared(dims, periods, None)
+        return _shared(dims, periods, None, scale)
     if base is None:
         raise ValueError("RoPE needs a base or explicit frequencies")
-    return _shared(dims, None, float(base))
+    return _shared(dims, None, float(base), scale)
 
 
 @lru_cache(maxsize=16)
-def _shared(dims: int, periods: tuple[float, ...] | None, base: float | None) -> RopeTable:
+def _shared(dims: int, periods: tuple[float, ...] | None, base: float | None,
+            scale: float) -> RopeTable:
     if periods is not None:
         inverse = tuple(1.0 / p for p in periods)
     else:
         assert base is not None
         inverse = tuple(base ** (-i / dims) for i in range(0, dims, 2))
-    return RopeTable(dims, inverse)
+    return RopeTable(dims, inverse, scale)

@@ -33,6 +33,14 @@ LLAMA3_SCALING = {
     "original_max_position_embeddings": 64,
 }
 
+# three quarters of a 16-dim head rotated (6 frequencies), stretched 128x past a 16-token
+# original window: LongRoPE's magnitude correction is sqrt(1 + ln 128 / ln 16)
+PHI4_MINI_ROPE = {
+    "partial_rotary_factor": 0.75, "original_max_position_embeddings": 16,
+    "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                     "long_factor": [1.0 + 2.0 * i for i in range(6)]},
+}
+
 CASES: dict[str, dict[str, Any]] = {
     "llama-gqa-tied": {"model_type": "llama"},
     "llama-mha-untied": {"model_type": "llama", "n_kv_heads": 4, "tie": False},
@@ -66,6 +74,10 @@ CASES: dict[str, dict[str, Any]] = {
     "qwen3-moe": {"model_type": "qwen3_moe", "num_hidden_layers": 3, "tie": False},
     "qwen3-moe-q4": {"model_type": "qwen3_moe", "num_hidden_layers": 3, "tie": False,
                      "quantize": (32, 4)},
+    # fused q/k/v and gate/up; Phi-4-mini's partial rotary and LongRoPE
+    "phi3": {"model_type": "phi3", "tie": False},
+    "phi4-mini-partial-longrope": {"model_type": "phi3", "config_overrides": PHI4_MINI_ROPE},
+    "phi3-q4": {"model_type": "phi3", "tie": False, "quantize": (32, 4)},
 }
 
 TOKENS = mx.array([[1, 17, 42, 299, 5, 77, 123, 2, 64, 9, 250, 33]])
@@ -142,6 +154,7 @@ def test_rope_parameters_config_matches_legacy_keys(
     ("llama-gqa-tied", "cpu"), ("llama3-rope-scaling", "cpu"), ("qwen2-bias", "cpu"),
     ("qwen3-qk-norm", "cpu"), ("llama-q4", "metal"), ("gemma3", "cpu"),
     ("gemma3-q4-bf16", "metal"), ("qwen3-moe", "cpu"), ("qwen3-moe-q4", "metal"),
+    ("phi4-mini-partial-longrope", "cpu"), ("phi3-q4", "metal"),
 ])
 def test_incremental_decoding_matches_full_forward(
     model_dirs: dict[str, Path], case: str, backend: str
@@ -259,6 +272,25 @@ def test_qwen3_moe_routes_each_row_to_its_experts(model_dirs: dict[str, Path]) -
     assert rel_err(model(TOKENS), want) > 1e-3
     kept, _ = load_weights(model_dirs["qwen3-moe-q4"], backend="metal")
     assert isinstance(kept.model.layers[0].mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
+
+
+@pytest.mark.parametrize("case", ["phi4-mini-partial-longrope", "gemma3", "llama3-rope-scaling"])
+def test_the_gpu_rope_path_turns_as_the_cpu_table_does(model_dirs: dict[str, Path],
+                                                       case: str) -> None:
+    """A Mac's passes rotate with `mx.fast.rope` (partial dims, LongRoPE's magnitude, a
+    tree's per-row positions), this CPU's with the table: the same rotation."""
+    model, _ = load_weights(model_dirs[case], backend="cpu")
+    attn = model.model.layers[0].self_attn
+    x = mx.random.normal((1, attn.n_heads, 5, attn.head_dim), key=mx.random.key(3))
+    positions = mx.array([7, 8, 9, 8, 9], dtype=mx.int32)
+    for offset, pos in ((7, None), (7, positions)):
+        want = attn._rope(x, offset, pos)
+        assert mx.allclose(attn._fused_rope(x, offset, pos), want, atol=1e-4).item()
+    if case.startswith("phi4"):  # the rotation is real where it should be, absent elsewhere
+        turned = attn._rope(x, 7, None)
+        assert mx.array_equal(turned[..., attn.rot:], x[..., attn.rot:]).item()
+        assert not mx.allclose(turned[..., :attn.rot], x[..., :attn.rot]).item()
+        assert attn._scale == pytest.approx((1 + np.log(128) / np.log(16)) ** 0.5)
 
 
 def test_smollm3_layers_without_rope_are_real(model_dirs: dict[str, Path],

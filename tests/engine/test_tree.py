@@ -45,13 +45,19 @@ TREE = DraftTree((5, 6, 7, 8, 9, 4), (-1, 0, 1, 0, 3, -1))
 CHAIN_WIDTH = DraftTree((5, 6, 4), (-1, 0, -1))
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3_text"])
+PHI_PARTIAL_ROTARY = {"partial_rotary_factor": 0.5}
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3_text", "phi3"])
 def target(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
            ) -> LoadedModel:
     """A tiny target; the Gemma one slides a window of 8 over most layers, which the
-    tests' contexts cross, so a tree's rows meet the window's edge too."""
+    tests' contexts cross, so a tree's rows meet the window's edge too; the Phi one turns
+    half of each head at a tree's per-row positions."""
     folder = tmp_path_factory.mktemp("tree") / request.param
-    return load_model(str(write_tiny_model(folder, request.param, num_hidden_layers=3)))
+    overrides = PHI_PARTIAL_ROTARY if request.param == "phi3" else None
+    return load_model(str(write_tiny_model(folder, request.param, num_hidden_layers=3,
+                                           config_overrides=overrides)))
 
 
 # ----------------------------------------------------------------------------- the contract
