@@ -62,15 +62,22 @@ class HeadConfig:
     @classmethod
     def for_target(cls, args: ModelArgs, draft_vocab_size: int,
                    layers: Sequence[int] | None = None) -> HeadConfig:
-        """A head shaped like one of the target's blocks."""
+        """A head shaped like one of the target's blocks. Its block is a llama block, which
+        rotates whole heads: a target's LongRoPE (whose factors are for part of a head, on
+        Phi-4-mini) stays the target's, and the head, trained from scratch, turns with
+        plain RoPE at the target's base."""
         assert args.num_key_value_heads is not None
+        scaling = args.rope_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type"))
+        rope_scaling = args.rope_scaling if kind in (None, "default", "llama3", "linear") \
+            else None
         return cls(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                    num_attention_heads=args.num_attention_heads,
                    num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size,
                    draft_vocab_size=draft_vocab_size,
                    aux_layers=tuple(layers or default_layers(args.num_hidden_layers)),
                    head_dim=args.head_dim, rms_norm_eps=args.rms_norm_eps,
-                   rope_theta=args.rope_theta, rope_scaling=args.rope_scaling,
+                   rope_theta=args.rope_theta, rope_scaling=rope_scaling,
                    max_position_embeddings=args.max_position_embeddings)
 
     def block_args(self) -> ModelArgs:

@@ -134,3 +134,21 @@ def test_a_quantized_target_layer_seeds_its_dequantized_weights(tmp_path: Path) 
     D = head.config.hidden_size
     assert np.array_equal(np.array(head.midlayer.self_attn.k_proj.weight[:, D:]),
                           np.array(dense_weight(layer.self_attn.k_proj)))
+
+
+def test_a_head_for_a_longrope_target_turns_with_plain_rope(tmp_path: Path) -> None:
+    """Phi-4-mini's LongRoPE factors are for three quarters of a head; the head's llama
+    block turns whole heads, so it takes plain RoPE at the target's base (with the
+    target's scaling it could not even be built), and it drafts."""
+    from tests.engine.test_models import PHI4_MINI_ROPE
+
+    path = write_tiny_model(tmp_path / "phi", "phi3", num_hidden_layers=4, seed=3,
+                            config_overrides=PHI4_MINI_ROPE)
+    target = load_model(str(path))
+    head = init_head(target.model, _hot(target), None, seed=0)
+    assert head.config.rope_scaling is None
+    assert head.config.rope_theta == target.model.args.rope_theta
+    D = head.config.hidden_size
+    features = mx.zeros((1, 3, D * len(head.config.aux_layers)))
+    out = head(head.fuse(features), mx.array([[5, 9, 2]]))
+    assert out.shape == (1, 3, D)
