@@ -437,9 +437,9 @@ def test_a_refused_import_leaves_only_the_reason(qtbot, hub, relay, cache, memor
                                                 async_loop, tmp_path, monkeypatch,
                                                 screenshots_dir):
     """The footer kept saying "Importing …" under the banner that said it was refused."""
-    folder = write_tiny_model(tmp_path / "phi3-like", "llama")
+    folder = write_tiny_model(tmp_path / "falcon-like", "llama")
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "model_type": "phi3"}))
+    (folder / "config.json").write_text(json.dumps({**config, "model_type": "falcon"}))
     controller = ModelsController(QSettings(str(tmp_path / "s.ini"), QSettings.Format.IniFormat))
     panel = ModelsPanel(controller)
     qtbot.addWidget(panel)
@@ -451,7 +451,7 @@ def test_a_refused_import_leaves_only_the_reason(qtbot, hub, relay, cache, memor
     assert ended.args == [False]
     from engine.models import SUPPORTED_MODEL_TYPES
 
-    assert panel.error_text == (f"{folder}: config.json: model_type 'phi3' is not supported "
+    assert panel.error_text == (f"{folder}: config.json: model_type 'falcon' is not supported "
                                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
     assert "llama" in SUPPORTED_MODEL_TYPES
     assert panel.info_label.text() == ""

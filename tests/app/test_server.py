@@ -292,12 +292,14 @@ def test_without_a_seed_each_request_samples_anew(client: openai.OpenAI,
             max_tokens=16, temperature=1.0, extra_body={"drafter": drafter, "draft_k": 3},
             **kw).choices[0].message.content
 
-    unseeded = {run() for _ in range(3)}
-    assert len(unseeded) == 3
+    # fresh seeds give other replies; two may still agree (the tiny model sometimes ends
+    # at once, an empty reply), four all alike would mean one seed reused
+    unseeded = {run() for _ in range(4)}
+    assert len(unseeded) >= 2
     assert run(seed=7) == run(seed=7) == run("model", seed=7)
     # -1 is "random" to llama.cpp-style clients; other negatives (OpenAI's seeds are int64)
     # repeat like any seed, as the same 64 bits unsigned
-    assert len({run(seed=-1) for _ in range(3)}) == 3
+    assert len({run(seed=-1) for _ in range(4)}) >= 2
     assert run(seed=-5) == run(seed=2**64 - 5) != run(seed=5)
 
 
