@@ -451,6 +451,30 @@ def test_a_later_import_removes_what_a_killed_one_left_but_not_a_running_ones(
 
 # ---------------------------------------------------------------------------- Gemma 3
 
+def gguf_writer_for(path: Path, arch: str, config: dict[str, Any], pre: str,
+                    tokens: list[str], token_types: list[int]) -> gguf.GGUFWriter:
+    """A writer with the hyper-parameters llama.cpp's converter takes from an HF config
+    (`config`), and a byte-level vocabulary (`tokens` padded to the model's)."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types(token_types)
+    w.add_token_merges(MERGES)
+    w.add_chat_template(TEMPLATE)
+    return w
+
+
 GEMMA3_TO_GGUF = {  # HF layer module -> llama.cpp's name (gguf-py's MODEL_TENSOR table)
     "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
@@ -474,29 +498,13 @@ def write_gemma3_gguf(path: Path, hf_folder: Path, *, vision: bool = False) -> N
     n_vocab = config["vocab_size"]
     tokens += [f"<unused{i}>" for i in range(n_vocab - len(tokens) - 1)] + ["<end_of_turn>"]
     token_types += [3] * (n_vocab - len(token_types))
-    w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(config["head_dim"])
-    w.add_value_length(config["head_dim"])
-    w.add_rope_freq_base(config["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w = gguf_writer_for(path, "gemma3", config, "default", tokens, token_types)
     w.add_sliding_window(config["sliding_window"])
     if config.get("rope_scaling"):
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(config["rope_scaling"]["factor"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(0)
-    w.add_chat_template(TEMPLATE)
     for name, x in hf.items():
         if name == "model.embed_tokens.weight":
             gname = "token_embd.weight"
@@ -579,27 +587,11 @@ def test_a_qwen3_moe_gguf_imports_with_its_experts_stacked(tmp_path: Path,
     tokens, token_types = vocabulary()
     tokens += [f"<unused{i}>" for i in range(config["vocab_size"] - len(tokens))]
     token_types += [3] * (config["vocab_size"] - len(token_types))
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen3moe")
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config["num_key_value_heads"])
-    w.add_key_length(config["head_dim"])
-    w.add_value_length(config["head_dim"])
-    w.add_rope_freq_base(config["rope_theta"])
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w = gguf_writer_for(tmp_path / "m.gguf", "qwen3moe", config, "qwen2", tokens, token_types)
     w.add_expert_count(config["num_experts"])
     w.add_expert_used_count(config["num_experts_per_tok"])
     w.add_expert_feed_forward_length(config["moe_intermediate_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(token_types)
-    w.add_token_merges(MERGES)
     w.add_eos_token_id(2)
-    w.add_chat_template(TEMPLATE)
     dense = {}
     for name, x in hf.items():
         top = {"model.embed_tokens.weight": "token_embd.weight",
