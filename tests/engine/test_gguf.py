@@ -50,7 +50,8 @@ def hf_row_order(n_heads: int, head_dim: int) -> np.ndarray:
 def write_tiny_gguf(path: Path, *, arch: str = "llama", types: dict[str, Q] | None = None,
                     pre: str = "smollm", tokenizer_model: str = "gpt2", tie: bool = False,
                     rope_freqs: np.ndarray | None = None, seed: int = 0,
-                    spm: SpmVocabulary | None = None) -> dict[str, np.ndarray]:
+                    spm: SpmVocabulary | None = None,
+                    space_prefix: bool | None = None) -> dict[str, np.ndarray]:
     """Write a 2-layer GGUF the way llama.cpp's converter lays it out.
 
     Returns the HF-layout float32 weights (before permuting and quantizing), keyed by GGUF name.
@@ -97,6 +98,8 @@ def write_tiny_gguf(path: Path, *, arch: str = "llama", types: dict[str, Q] | No
         w.add_bos_token_id(1)
         w.add_eos_token_id(2)
         w.add_chat_template(SPM_TEMPLATE)
+        if space_prefix is not None:  # Gemma's files say False
+            w.add_add_space_prefix(space_prefix)
     else:
         w.add_tokenizer_model(tokenizer_model)
         w.add_tokenizer_pre(pre)

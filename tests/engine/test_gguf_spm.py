@@ -126,3 +126,24 @@ def test_merges_follow_scores() -> None:
     # "bc" scores best, so it merges first; "abc" splits as ("a", "bc") and ("ab", "c")
     assert sentencepiece_merges(tokens, scores) == [
         ("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]
+
+
+def test_a_vocabulary_without_a_space_prefix_tokenizes_like_its_model(tmp_path: Path) -> None:
+    """Gemma's SentencePiece model adds no dummy prefix, and its GGUFs say so
+    (`add_space_prefix` false): text is tokenized as it is, like the model itself does,
+    and decodes back whole."""
+    vocab = spm_vocabulary(dummy_prefix=False)
+    write_tiny_gguf(tmp_path / "gemma-style.gguf", spm=vocab, space_prefix=False)
+    folder = import_gguf(tmp_path / "gemma-style.gguf", tmp_path / "out")
+    ours = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    sp = sentencepiece.SentencePieceProcessor(model_proto=vocab.model_proto)
+    got = ours.encode(TEXT, add_special_tokens=False)
+    assert got.ids == sp.encode(TEXT)
+    assert not got.tokens[0].startswith("\u2581")  # "Größe", not "▁Größe"
+    assert ours.decode(got.ids) == TEXT
+    # the control: the same vocabulary in a file that does not say so is read with the
+    # prefix (llama.cpp's default), and tokenizes otherwise
+    write_tiny_gguf(tmp_path / "unsaid.gguf", spm=vocab)
+    unsaid = HFTokenizer.from_file(str(import_gguf(tmp_path / "unsaid.gguf", tmp_path / "u")
+                                       / "tokenizer.json"))
+    assert unsaid.encode(TEXT, add_special_tokens=False).ids != got.ids
