@@ -40,7 +40,7 @@ from engine.gguf_tokenizer import build_tokenizer, generation_config, tokenizer_
 from engine.loading import default_backend, holds_quantized
 from engine.weights import WeightPlan, check_memory
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3", "phi3")
 GROUP_SIZE = 32  # GGUF block size of Q4_0/Q4_1/Q8_0, kept by MLX as the quantization group
 IMPORTER_VERSION = 1
 IMPORT_INFO = "import_info.json"
@@ -49,7 +49,7 @@ FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer
 
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-            "gemma3": "Gemma3ForCausalLM"}
+            "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 # config.json's model_type where it is not the arch
 _MODEL_TYPE = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
@@ -83,6 +83,12 @@ _MOE_LAYER_NAMES = {
     "ffn_up_exps": "mlp.switch_mlp.up_proj",
     "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
+# Phi-3 keeps q/k/v in one matrix, and gate and up in one that llama.cpp names `ffn_up`
+_PHI3_LAYER_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj",
+                     "ffn_up": "mlp.gate_up_proj"}
+# tensors llama.cpp stores that config.json holds instead (RoPE factors)
+_FOLDED_INTO_CONFIG = ("rope_freqs.weight", "rope_factors_long.weight",
+                       "rope_factors_short.weight")
 # Ollama's Gemma 3 files hold the vision tower and projector beside the text model
 _IMAGE_PREFIXES = {"gemma3": ("v.", "mm.")}
 # what llama.cpp takes as given for Gemma 3 rather than storing it
@@ -177,10 +183,13 @@ def _config(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, Tenso
     hidden = int(_require(src, meta, f"{arch}.embedding_length"))
     n_heads = int(_require(src, meta, f"{arch}.attention.head_count"))
     n_kv = int(meta_value(meta, f"{arch}.attention.head_count_kv", n_heads))
+    # Phi-3's rope dimension count is the rotated part of a head, not the head
+    rope_counts_head = arch != "phi3"
     head_dim = int(meta_value(meta, f"{arch}.attention.key_length", 0)
-                   or meta_value(meta, f"{arch}.rope.dimension_count", 0) or hidden // n_heads)
+                   or (rope_counts_head and meta_value(meta, f"{arch}.rope.dimension_count", 0))
+                   or hidden // n_heads)
     rope_dims = int(meta_value(meta, f"{arch}.rope.dimension_count", head_dim))
-    if rope_dims != head_dim:
+    if rope_dims != head_dim and rope_counts_head:
         raise UnsupportedModelError(
             f"{src}: partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
     config: dict[str, Any] = {
@@ -204,6 +213,8 @@ def _config(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, Tenso
         config["head_dim"] = head_dim
     if arch == "qwen3moe":
         config |= _experts_config(src, arch, meta)
+    if arch == "phi3":
+        config |= _phi3_config(meta, config, head_dim, rope_dims)
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         config["attention_bias"] = True
     if arch == "gemma3":
@@ -232,6 +243,20 @@ def _experts_config(src: Path, arch: str, meta: dict[str, Any]) -> dict[str, Any
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     }
+
+
+def _phi3_config(meta: dict[str, Any], config: dict[str, Any], head_dim: int,
+                 rope_dims: int) -> dict[str, Any]:
+    """Phi-3's share of each head that turns, its LongRoPE window, and its sliding window
+    where the file states one."""
+    out: dict[str, Any] = {"partial_rotary_factor": rope_dims / head_dim}
+    original = meta_value(meta, "phi3.rope.scaling.original_context_length")
+    if original is not None:
+        out["original_max_position_embeddings"] = int(original)
+    window = meta_value(meta, "phi3.attention.sliding_window")
+    if window:
+        out["sliding_window"] = int(window)
+    return out
 
 
 def _gemma3_config(src: Path, meta: dict[str, Any], config: dict[str, Any], head_dim: int
@@ -264,6 +289,16 @@ def _rope_scaling(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str,
     The converter keeps only the per-frequency factors; they match the llama3 formula with
     the published parameters, which we check before claiming them.
     """
+    if "rope_factors_long.weight" in tensors:  # Phi-3's LongRoPE
+        factors = {name: np.array(tensors[f"rope_factors_{name}.weight"].load()
+                                  .astype(mx.float32)).tolist()
+                   for name in ("long", "short") if f"rope_factors_{name}.weight" in tensors}
+        scaling: dict[str, Any] = {"type": "longrope", "long_factor": factors["long"],
+                                   "short_factor": factors.get("short", factors["long"])}
+        attn_factor = meta_value(meta, f"{arch}.rope.scaling.attn_factor")
+        if attn_factor is not None:
+            scaling["long_mscale"] = float(attn_factor)
+        return scaling
     kind = meta_value(meta, f"{arch}.rope.scaling.type")
     if kind == "linear":
         factor = meta_value(meta, f"{arch}.rope.scaling.factor")
@@ -317,8 +352,8 @@ def _hf_name(name: str, arch: str = "llama") -> str | None:
         return None
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{suffix}"
-    layer_names = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES}.get(
-        arch, _LAYER_NAMES)
+    layer_names = {"gemma3": _GEMMA3_LAYER_NAMES, "qwen3moe": _MOE_LAYER_NAMES,
+                   "phi3": _PHI3_LAYER_NAMES}.get(arch, _LAYER_NAMES)
     parts = base.split(".")
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in layer_names:
         return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{suffix}"
@@ -331,7 +366,7 @@ def _hf_weights(src: Path, arch: str, config: dict[str, Any], tensors: dict[str,
     """Rename to HF keys, un-permute llama q/k rows, hold dequantized types as the backend
     wants, and describe the quantization. One tensor at a time, so at most one float32
     copy of a re-quantized tensor exists at once."""
-    unknown = [n for n in tensors if n != "rope_freqs.weight" and _hf_name(n, arch) is None]
+    unknown = [n for n in tensors if n not in _FOLDED_INTO_CONFIG and _hf_name(n, arch) is None]
     if unknown:
         raise UnsupportedModelError(
             f"{src}: unexpected tensors {', '.join(sorted(unknown)[:3])} (not a plain "
@@ -345,7 +380,7 @@ def _hf_weights(src: Path, arch: str, config: dict[str, Any], tensors: dict[str,
         if on_progress is not None:
             on_progress(done, len(tensors))
         hf = _hf_name(name, arch)
-        if hf is None:  # rope_freqs: folded into config.json
+        if hf is None:  # RoPE factors: folded into config.json
             continue
         module, _, suffix = hf.rpartition(".")
         x = source.load()

@@ -636,3 +636,67 @@ def test_a_qwen3_moe_gguf_imports_with_its_experts_stacked(tmp_path: Path,
         held, _ = load_weights(kept, backend="metal")
         assert isinstance(held.model.layers[0].mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
         assert (mx.abs(held(ids) - want).max() / mx.abs(want).max()).item() < 5e-2
+
+
+# ---------------------------------------------------------------------------- Phi-3
+
+PHI3_TO_GGUF = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+                "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def test_a_phi3_gguf_imports_with_its_fused_matrices_and_longrope(tmp_path: Path) -> None:
+    """Phi-4-mini as llama.cpp's converter writes it: q/k/v and gate/up kept fused (the
+    latter as `ffn_up`), the rope dimension count the rotated part of a head, LongRoPE's
+    factors as tensors with the original window and magnitude in the metadata. It imports
+    to the checkpoint it came from."""
+    import math
+
+    from safetensors.numpy import load_file
+
+    from engine.loading import load_weights
+    from tests.engine.test_models import PHI4_MINI_ROPE
+    from tests.fixtures.tiny_models import write_tiny_model
+
+    hf_folder = write_tiny_model(tmp_path / "hf", "phi3", num_hidden_layers=2, tie=False,
+                                 config_overrides=PHI4_MINI_ROPE)
+    config = read_json(hf_folder, "config.json")
+    config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    hf = load_file(str(hf_folder / "model.safetensors"))
+    tokens, token_types = vocabulary()
+    tokens += [f"<unused{i}>" for i in range(config["vocab_size"] - len(tokens))]
+    token_types += [3] * (config["vocab_size"] - len(token_types))
+    w = gguf_writer_for(tmp_path / "p.gguf", "phi3", config, "default", tokens, token_types)
+    rot = int(config["head_dim"] * config["partial_rotary_factor"])
+    w.add_rope_dimension_count(rot)
+    original = config["original_max_position_embeddings"]
+    w.add_rope_scaling_orig_ctx_len(original)
+    stretch = config["max_position_embeddings"] / original
+    w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(stretch) / math.log(original)))
+    w.add_eos_token_id(2)
+    scaling = config["rope_scaling"]
+    w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], np.float32))
+    for name, x in hf.items():
+        top = {"model.embed_tokens.weight": "token_embd.weight",
+               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+        if name in top:
+            gname = top[name]
+        else:
+            layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
+            gname = f"blk.{layer}.{PHI3_TO_GGUF[module]}.weight"
+        w.add_tensor(gname, x.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    out = import_gguf(tmp_path / "p.gguf", tmp_path / "imported", backend="cpu")
+    imported = read_json(out, "config.json")
+    assert imported["model_type"] == "phi3"
+    assert imported["partial_rotary_factor"] == 0.75
+    assert imported["rope_scaling"]["long_factor"] == pytest.approx(scaling["long_factor"])
+    ours, _ = load_weights(out, backend="cpu")
+    ref, _ = load_weights(hf_folder, backend="cpu")
+    ids = mx.array([[1, 17, 42, 201, 5, 77, 123, 2, 64, 9, 250, 33] * 2])
+    want = ref(ids)
+    assert (mx.abs(ours(ids) - want).max() / mx.abs(want).max()).item() < 1e-5
