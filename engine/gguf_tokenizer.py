@@ -31,11 +31,18 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# GPT-4o's (tiktoken's o200k_base), which Phi-4-mini uses: words split at case changes
+_GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+                r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _PRE_KINDS = {
     "default": "gpt2", "gpt2": "gpt2", "gpt-2": "gpt2",
     "smollm": "digits", "starcoder": "digits", "refact": "digits",
     "llama-bpe": "llama3", "llama3": "llama3", "smaug-bpe": "llama3", "dbrx": "llama3",
     "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2",
+    "gpt-4o": "gpt4o",
 }
 _TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 2, 3, 4
 SPACE = "\u2581"  # SentencePiece's visible space, "▁"
@@ -92,8 +99,8 @@ def _byte_level_bpe(src: Path, meta: dict[str, Any], tokens: list[str]) -> HFTok
     if style == "digits":
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level])
-    elif style in ("llama3", "qwen2"):
-        split = _LLAMA3_SPLIT if style == "llama3" else _QWEN2_SPLIT
+    elif style in ("llama3", "qwen2", "gpt4o"):
+        split = {"llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "gpt4o": _GPT4O_SPLIT}[style]
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False), byte_level])
     else:

@@ -306,6 +306,8 @@ def test_llama3_rope_factors_become_rope_scaling(tmp_path: Path) -> None:
     ("llama-bpe", "ab 2024", ["ab", "Ġ", "202", "4"]),
     ("default", "ab 2024", ["ab", "Ġ2024"]),
     ("qwen2", "ab 2024", ["ab", "Ġ", "2", "0", "2", "4"]),
+    # GPT-4o's split (Phi-4-mini): at a case change, a contraction kept, digits by three
+    ("gpt-4o", "abCDef's 12345", ["ab", "CDef's", "Ġ", "123", "45"]),
 ])
 def test_pre_tokenizer_follows_ggml_pre(tmp_path: Path, pre: str, text: str, pieces: list[str]
                                         ) -> None:
