@@ -376,7 +376,12 @@ def _check_checkpoint(folder: Path, backend: str) -> _Checked:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     # a vision-language checkpoint's text model, read as the model it is (Gemma 3 4B+)
-    config, all_tensors = text_model(read_config(folder), read_checkpoint(folder))
+    try:
+        config, all_tensors = text_model(read_config(folder), read_checkpoint(folder))
+    except ModelFormatError as e:
+        if str(e).startswith("config.json:"):  # the wrapper's own fields: say which folder
+            raise ModelFormatError(f"{folder}/{e}") from e
+        raise
     block = quantization_block(config)
     args = _model_args(folder, config, all_tensors)
     tensors = {k: v for k, v in all_tensors.items() if not is_ignored(k)}

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="keep each reply's features on disk (app-data dir, bounded) so "
                       "`train-drafter --data history` learns from this chat (off by default)")
 
-    imp = sub.add_parser("import-gguf", help="convert a llama GGUF into an HF-style folder")
+    imp = sub.add_parser("import-gguf", help="convert a GGUF (llama, qwen2, qwen3, qwen3moe, gemma3, phi3) into an HF-style folder")
     imp.add_argument("file", type=Path, help="the .gguf file to convert")
     imp.add_argument("dest", type=Path,
                      help="the model folder to write (must not exist yet); then use it "

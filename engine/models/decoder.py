@@ -40,6 +40,7 @@ DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3",
 # checkpoints, whose text model is a gemma3_text (`engine.models.text_part`)
 SUPPORTED_MODEL_TYPES = (*DECODER_TYPES, "gemma3")
 GEMMA_TYPES = ("gemma3_text",)
+PHI3_ORIGINAL_WINDOW = 4096  # LongRoPE's original window where a Phi-3 config states none
 # the RoPE scalings the decoder computes (`rope_frequencies`)
 ROPE_SCALINGS = (None, "default", "llama3", "linear", "longrope", "su")
 
@@ -188,8 +189,9 @@ class ModelArgs:
         stated = scaling.get("long_mscale") or scaling.get("attention_factor")
         if stated:
             return float(stated)
+        # (transformers' Phi-3 default where the config states no original window)
         original = (scaling.get("original_max_position_embeddings")
-                    or self.original_max_position_embeddings or self.max_position_embeddings)
+                    or self.original_max_position_embeddings or PHI3_ORIGINAL_WINDOW)
         stretch = self.max_position_embeddings / original
         return math.sqrt(1 + math.log(stretch) / math.log(original)) if stretch > 1 else 1.0
 
@@ -256,10 +258,10 @@ class ModelArgs:
             raise ModelFormatError(
                 f"config.json: norm_topk_prob must be true or false, got {self.norm_topk_prob!r}")
         if not isinstance(self.mlp_only_layers, list) or not all(
-                _is_int(i) for i in self.mlp_only_layers):
+                _is_int(i) and 0 <= i < self.num_hidden_layers for i in self.mlp_only_layers):
             raise ModelFormatError(
-                f"config.json: mlp_only_layers must list layer indices, got "
-                f"{self.mlp_only_layers!r}")
+                f"config.json: mlp_only_layers must list layer indices below "
+                f"num_hidden_layers ({self.num_hidden_layers}), got {self.mlp_only_layers!r}")
 
     def layer_is_sparse(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts (Qwen3-MoE's, but the dense ones

@@ -61,6 +61,10 @@ def text_model(config: Mapping[str, Any], tensors: Mapping[str, TensorInfo]
         raise ModelFormatError(
             f"config.json: model_type {config.get('model_type')!r} needs a text_config "
             f"object, got {inner!r}")
+    if inner.get("model_type", "gemma3_text") != "gemma3_text":
+        raise ModelFormatError(
+            f"config.json: text_config.model_type is {inner['model_type']!r}; a gemma3 "
+            "checkpoint's text model is a 'gemma3_text'")
     renamed = {_renamed(stored): replace(info, name=stored) for stored, info in tensors.items()
                if not stored.startswith(IMAGE_PREFIXES)}
     out = {**GEMMA3_TEXT_DEFAULTS, **inner, "model_type": "gemma3_text"}

@@ -246,14 +246,30 @@ def test_gemma3_vision_language_checkpoint_reads_its_text_model(
 
 
 def test_a_gemma3_wrapper_without_its_text_config_is_named(tmp_path: Path) -> None:
+    """One line naming the folder, whether the text config is missing or another model's."""
     from tests.fixtures.tiny_models import write_tiny_gemma3_vlm
 
     wrapped = write_tiny_gemma3_vlm(tmp_path / "vlm", num_hidden_layers=3)
     config = json.loads((wrapped / "config.json").read_text())
-    del config["text_config"]
-    (wrapped / "config.json").write_text(json.dumps(config))
-    with pytest.raises(EngineError, match="'gemma3' needs a text_config object"):
-        load_weights(wrapped, backend="cpu")
+    for broken, message in (
+            ({k: v for k, v in config.items() if k != "text_config"},
+             "'gemma3' needs a text_config object"),
+            ({**config, "text_config": {**config["text_config"], "model_type": "llama"}},
+             "text_config.model_type is 'llama'")):
+        (wrapped / "config.json").write_text(json.dumps(broken))
+        with pytest.raises(EngineError, match=message) as caught:
+            load_weights(wrapped, backend="cpu")
+        assert str(caught.value).startswith(f"{wrapped}/config.json: ")
+
+
+def test_longrope_without_an_original_window_takes_phi3s_default(tmp_path: Path) -> None:
+    """transformers' Phi-3 reads a missing original window as 4,096 tokens."""
+    rope = {k: v for k, v in PHI4_MINI_ROPE.items() if k != "original_max_position_embeddings"}
+    folder = write_tiny_model(tmp_path / "phi", "phi3", config_overrides={
+        **rope, "max_position_embeddings": 16384})
+    model, _ = load_weights(folder, backend="cpu")
+    # stretched 4x past 4,096: sqrt(1 + ln 4 / ln 4096)
+    assert model.args.rope_scale == pytest.approx((1 + np.log(4) / np.log(4096)) ** 0.5)
 
 
 def test_qwen3_moe_routes_each_row_to_its_experts(model_dirs: dict[str, Path]) -> None:
@@ -356,6 +372,7 @@ def test_gemma_and_moe_config_errors_are_named() -> None:
         ({"num_experts_per_tok": 8}, "num_experts_per_tok \\(8\\) is more than"),
         ({"num_experts": "4"}, "num_experts must be a positive integer"),
         ({"mlp_only_layers": "0"}, "mlp_only_layers must list"),
+        ({"mlp_only_layers": [7]}, "indices below num_hidden_layers \\(2\\)"),
     ):
         with pytest.raises(EngineError, match=message):
             ModelArgs.from_config({**moe, **bad})
