@@ -480,6 +480,17 @@ def gguf_writer_for(path: Path, arch: str, config: dict[str, Any], pre: str,
     return w
 
 
+def llama_cpp_name(hf_name: str, layer_names: dict[str, str]) -> str:
+    """An HF tensor name as llama.cpp's converter names it (`layer_names`: a family's
+    layer modules)."""
+    top = {"model.embed_tokens.weight": "token_embd.weight",
+           "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+    if hf_name in top:
+        return top[hf_name]
+    layer, module = hf_name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
+    return f"blk.{layer}.{layer_names[module]}.weight"
+
+
 GEMMA3_TO_GGUF = {  # HF layer module -> llama.cpp's name (gguf-py's MODEL_TENSOR table)
     "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
@@ -511,13 +522,7 @@ def write_gemma3_gguf(path: Path, hf_folder: Path, *, vision: bool = False) -> N
     w.add_bos_token_id(1)
     w.add_eos_token_id(0)
     for name, x in hf.items():
-        if name == "model.embed_tokens.weight":
-            gname = "token_embd.weight"
-        elif name == "model.norm.weight":
-            gname = "output_norm.weight"
-        else:
-            layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
-            gname = f"blk.{layer}.{GEMMA3_TO_GGUF[module]}.weight"
+        gname = llama_cpp_name(name, GEMMA3_TO_GGUF)
         w.add_tensor(gname, (x + 1.0 if name.endswith("norm.weight") else x).astype(np.float32))
     if vision:
         w.add_tensor("v.blk.0.attn_q.weight", np.ones((8, 8), np.float32))
@@ -599,13 +604,7 @@ def test_a_qwen3_moe_gguf_imports_with_its_experts_stacked(tmp_path: Path,
     w.add_eos_token_id(2)
     dense = {}
     for name, x in hf.items():
-        top = {"model.embed_tokens.weight": "token_embd.weight",
-               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-        if name in top:
-            gname = top[name]
-        else:
-            layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
-            gname = f"blk.{layer}.{MOE_TO_GGUF[module]}.weight"
+        gname = llama_cpp_name(name, MOE_TO_GGUF)
         if gname.endswith("_exps.weight") and expert_type != Q.F32:
             packed = gguf.quants.quantize(x, expert_type)
             w.add_tensor(gname, packed, raw_dtype=expert_type)
@@ -680,13 +679,7 @@ def test_a_phi3_gguf_imports_with_its_fused_matrices_and_longrope(tmp_path: Path
     w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], np.float32))
     w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], np.float32))
     for name, x in hf.items():
-        top = {"model.embed_tokens.weight": "token_embd.weight",
-               "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
-        if name in top:
-            gname = top[name]
-        else:
-            layer, module = name.removeprefix("model.layers.").removesuffix(".weight").split(".", 1)
-            gname = f"blk.{layer}.{PHI3_TO_GGUF[module]}.weight"
+        gname = llama_cpp_name(name, PHI3_TO_GGUF)
         w.add_tensor(gname, x.astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
