@@ -14,11 +14,15 @@ import sys
 from contextlib import closing, suppress
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from app.bounded_exit import exit_code, exit_now
 from app.cli.launcher import ensure_openblas
 from engine.choices import ACCEPT_RULES, DRAFTERS, TREE_MODES
+
+if TYPE_CHECKING:  # (imported where used: the engine loads after `ensure_openblas`)
+    from engine.decode import GenerateOptions
+    from engine.events import Stats
 
 
 class HelpFormatter(argparse.HelpFormatter):
@@ -395,7 +399,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"{s.prompt_tps:.1f} tok/s · {s.tau:.2f} tokens/pass · "
               f"{100 * s.acceptance:.0f}% accepted{predicted} · {s.finish_reason}"
               f"{_dropped(s)}{_seed_note(options)}]", file=sys.stderr)
+        note = _nothing_drafted(options, s)
+        if note:
+            print(note, file=sys.stderr)
     return 0
+
+
+def _nothing_drafted(options: GenerateOptions, stats: Stats) -> str:
+    """Why a reply that asked for a drafter drafted nothing ("" when it drafted): without
+    it, `--drafter model` reading "1.00 tokens/pass · 0% accepted" looks broken."""
+    if options.drafter == "none" or stats.n_drafted or stats.generated_tokens < 2:
+        return ""
+    if options.drafter == "ngram":
+        return ("(nothing drafted: prompt lookup found no earlier text that this reply "
+                "repeats)")
+    return (f"(nothing drafted: drafting with '{options.drafter}' was judged slower than plain "
+            "steps here, from the measured pass costs and how often drafts were accepted; "
+            "--k N drafts N tokens a step regardless)")
 
 
 def _prediction_text(path: Path | None) -> str:

@@ -887,3 +887,26 @@ def test_continue_marks_the_echo_of_a_long_reply_as_an_excerpt() -> None:
     assert _tail("short reply") == "short reply"
     long = "word " * 30
     assert _tail(long) == "\N{HORIZONTAL ELLIPSIS}" + long[-60:]
+
+
+def test_a_reply_that_drafted_nothing_says_why(chain: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`--drafter model` reading "1.00 tokens/pass · 0% accepted" looked broken: the
+    stats line is followed by the reason; a reply that drafted, or asked for no drafter,
+    gets no such line."""
+    from app.cli.main import _nothing_drafted
+    from engine.decode import GenerateOptions
+    from engine.events import Stats
+
+    idle = Stats(generated_tokens=12, target_passes=12)
+    assert "judged slower than plain" in _nothing_drafted(GenerateOptions(drafter="model"), idle)
+    assert "--k N" in _nothing_drafted(GenerateOptions(drafter="head"), idle)
+    assert "prompt lookup found no earlier text" in _nothing_drafted(
+        GenerateOptions(drafter="ngram"), idle)
+    busy = Stats(generated_tokens=12, target_passes=4, n_drafted=10, n_accepted=8)
+    assert _nothing_drafted(GenerateOptions(drafter="model"), busy) == ""
+    assert _nothing_drafted(GenerateOptions(drafter="none"), idle) == ""
+    # through the command: a copied prompt is drafted, so no note follows its stats
+    assert main(["generate", "--model", str(chain), "--prompt", f"Say this: {CHAIN_TEXT}",
+                 "--drafter", "ngram"]) == 0
+    assert "nothing drafted" not in capsys.readouterr().err
