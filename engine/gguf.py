@@ -214,7 +214,7 @@ def _config(src: Path, arch: str, meta: dict[str, Any], tensors: dict[str, Tenso
     if arch == "qwen3moe":
         config |= _experts_config(src, arch, meta)
     if arch == "phi3":
-        config |= _phi3_config(meta, config, head_dim, rope_dims)
+        config |= _phi3_config(meta, head_dim, rope_dims)
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         config["attention_bias"] = True
     if arch == "gemma3":
@@ -245,8 +245,7 @@ def _experts_config(src: Path, arch: str, meta: dict[str, Any]) -> dict[str, Any
     }
 
 
-def _phi3_config(meta: dict[str, Any], config: dict[str, Any], head_dim: int,
-                 rope_dims: int) -> dict[str, Any]:
+def _phi3_config(meta: dict[str, Any], head_dim: int, rope_dims: int) -> dict[str, Any]:
     """Phi-3's share of each head that turns, its LongRoPE window, and its sliding window
     where the file states one."""
     out: dict[str, Any] = {"partial_rotary_factor": rope_dims / head_dim}

@@ -24,7 +24,7 @@ import numpy as np
 
 from engine.cache import KVCache, PreallocatedKVCache, shared_length
 from engine.drafters.base import Draft, draft_tokens, with_runner_ups
-from engine.models.decoder import MLP, Attention, Linear, ModelArgs
+from engine.models.decoder import LONGROPE, MLP, Attention, Linear, ModelArgs, rope_kind
 from engine.models.taps import FeatureTap
 from engine.sampling import SamplingParams, log_probs
 
@@ -67,10 +67,7 @@ class HeadConfig:
         Phi-4-mini) stays the target's, and the head, trained from scratch, turns with
         plain RoPE at the target's base."""
         assert args.num_key_value_heads is not None
-        scaling = args.rope_scaling or {}
-        kind = scaling.get("rope_type", scaling.get("type"))
-        rope_scaling = args.rope_scaling if kind in (None, "default", "llama3", "linear") \
-            else None
+        rope_scaling = None if rope_kind(args.rope_scaling) in LONGROPE else args.rope_scaling
         return cls(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                    num_attention_heads=args.num_attention_heads,
                    num_key_value_heads=args.num_key_value_heads, vocab_size=args.vocab_size,

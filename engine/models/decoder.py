@@ -41,8 +41,15 @@ DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "smollm3",
 SUPPORTED_MODEL_TYPES = (*DECODER_TYPES, "gemma3")
 GEMMA_TYPES = ("gemma3_text",)
 PHI3_ORIGINAL_WINDOW = 4096  # LongRoPE's original window where a Phi-3 config states none
-# the RoPE scalings the decoder computes (`rope_frequencies`)
+# the RoPE scalings the decoder computes (`rope_frequencies`); LongRoPE's two names
 ROPE_SCALINGS = (None, "default", "llama3", "linear", "longrope", "su")
+LONGROPE = ("longrope", "su")
+
+
+def rope_kind(scaling: dict[str, Any] | None) -> str | None:
+    """A rope_scaling object's type, under either key configs use for it."""
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type"))
 
 
 @dataclass
@@ -144,7 +151,7 @@ class ModelArgs:
         if not isinstance(scaling, dict):
             raise ModelFormatError(
                 f"config.json: rope_scaling must be an object or null, got {scaling!r}")
-        kind = scaling.get("rope_type", scaling.get("type"))
+        kind = rope_kind(scaling)
         if kind not in ROPE_SCALINGS:
             raise UnsupportedModelError(
                 f"config.json: rope_scaling type {kind!r} is not supported "
@@ -161,9 +168,9 @@ class ModelArgs:
         if not ((_is_int(share) or isinstance(share, float)) and 0 < share <= 1):
             raise ModelFormatError(
                 f"config.json: partial_rotary_factor must be in (0, 1], got {share!r}")
-        scaling = self.rope_scaling or {}
-        if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        if rope_kind(self.rope_scaling) not in LONGROPE:
             return
+        scaling = self.rope_scaling or {}
         half = self.rotary_dims // 2
         for name in ("short_factor", "long_factor"):
             value = scaling.get(name)
@@ -183,9 +190,9 @@ class ModelArgs:
     def rope_scale(self) -> float:
         """LongRoPE's magnitude correction for the window it stretches to (1 elsewhere):
         what the config states, else sqrt(1 + ln(s) / ln(original)) for the stretch s."""
-        scaling = self.rope_scaling or {}
-        if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        if rope_kind(self.rope_scaling) not in LONGROPE:
             return 1.0
+        scaling = self.rope_scaling or {}
         stated = scaling.get("long_mscale") or scaling.get("attention_factor")
         if stated:
             return float(stated)
@@ -360,8 +367,7 @@ def _fold_rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
     config = dict(config)
     if config.get("rope_theta") is None and "rope_theta" in params:
         config["rope_theta"] = params["rope_theta"]
-    kind = params.get("rope_type", params.get("type", "default"))
-    if config.get("rope_scaling") is None and kind != "default":
+    if config.get("rope_scaling") is None and rope_kind(params) not in (None, "default"):
         config["rope_scaling"] = params
     return config
 
@@ -373,11 +379,11 @@ def rope_frequencies(args: ModelArgs, base: float | None = None,
     if base is None:
         base, scaling = args.rope_theta, args.rope_scaling
     scaling = scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_kind(scaling)
     if kind in (None, "default"):
         return None
     dims = args.rotary_dims
-    if kind in ("longrope", "su"):
+    if kind in LONGROPE:
         # LongRoPE: each frequency stretched by its own factor; the long ones, as mlx-lm
         # uses them, since a chat here may run to the whole window the config states
         return mx.array(scaling["long_factor"], mx.float32) * base ** (
