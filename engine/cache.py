@@ -6,6 +6,13 @@ verification writes K+1 rows, then keeps only the accepted prefix. `compact` kee
 chosen subset of freshly written rows (the accepted path through a draft tree): the rows
 that move are gathered through `kernels.dispatch` (the KV-compaction kernel where doctor
 allowed it, MLX's gather elsewhere), then written into place.
+
+A sliding-window layer (Gemma 3's local layers, Mistral 7B v0.1, Phi-3) never reads keys
+more than its window behind the newest row, so its cache drops them (`WindowedKVCache`):
+on a long chat five of every six Gemma 3 layers hold a few thousand rows, not all of
+them. It keeps REWIND_ROWS more than the window, so a Regenerate or an Edit of the last
+turns still reuses the cache; trimming further back than that (`floor`) is refused, and
+the session reads such a prompt again from the start (`usable_length`).
 """
 
 from __future__ import annotations
@@ -17,15 +24,25 @@ import mlx.core as mx
 
 from kernels import dispatch
 
+# rows a windowed cache keeps beyond its window: a Regenerate or an Edit this close to the
+# end reuses the cache (a chat reply rarely runs longer)
+REWIND_ROWS = 2048
+# rows dropped at once: each drop copies the rows kept, so not every step
+DROP_ROWS = 1024
+
 
 @runtime_checkable
 class KVCache(Protocol):
     """What an attention layer needs from its cache."""
 
     offset: int
+    # the absolute position of the first row `update_and_fetch` returns (0 unless the
+    # cache dropped rows out of a sliding window's reach)
+    base: int
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Append `keys`/`values` (B, kv_heads, L, head_dim); return all rows so far."""
+        """Append `keys`/`values` (B, kv_heads, L, head_dim); return the rows held, from
+        position `base` on."""
         ...
 
     def trim(self, length: int) -> None:
@@ -45,6 +62,12 @@ class PreallocatedKVCache:
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = 0
+        self.base = 0  # a plain cache holds every row from position 0
+
+    @property
+    def floor(self) -> int:
+        """The shortest length this cache can be trimmed to and go on from (0: any)."""
+        return 0
 
     @property
     def capacity(self) -> int:
@@ -68,18 +91,24 @@ class PreallocatedKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         L = keys.shape[2]
-        end = self.offset + L
+        start = self.offset - self.base  # buffer rows, not positions
+        end = start + L
         if end > self.capacity:
             self._grow(keys, values, end)
         assert self.keys is not None and self.values is not None
-        self.keys[..., self.offset : end, :] = keys
-        self.values[..., self.offset : end, :] = values
-        self.offset = end
+        self.keys[..., start:end, :] = keys
+        self.values[..., start:end, :] = values
+        self.offset += L
         return self.keys[..., :end, :], self.values[..., :end, :]
 
     def trim(self, length: int) -> None:
         if length < 0 or length > self.offset:
             raise ValueError(f"cannot trim a cache of {self.offset} rows to {length}")
+        if length == 0:
+            self.base = 0
+        elif length < self.floor:
+            raise ValueError(f"cannot trim a windowed cache to {length} rows: it dropped the "
+                             f"rows before {self.base} and goes on from {self.floor} or later")
         self.offset = length
 
     def compact(self, start: int, keep: Sequence[int]) -> None:
@@ -87,19 +116,20 @@ class PreallocatedKVCache:
         if self.keys is None or not keep:
             self.trim(start)
             return
-        if start < 0 or min(keep) < 0 or start + max(keep) >= self.offset:
+        if start < self.floor or min(keep) < 0 or start + max(keep) >= self.offset:
             raise ValueError(f"cannot keep rows {keep} after row {start} of a cache of "
                              f"{self.offset} rows")
         assert self.values is not None
         moved = rows_in_place(keep)  # a chain's prefix moves nothing at all
-        end = start + len(keep)
+        first = start - self.base  # buffer rows, not positions
+        end = first + len(keep)
         if moved < len(keep):
             # gathered into a separate buffer first, so no row is overwritten before it is read
             k, v = dispatch.gather_kv_rows(self.keys, self.values,
-                                           [start + i for i in keep[moved:]])
-            self.keys[..., start + moved : end, :] = k
-            self.values[..., start + moved : end, :] = v
-        self.offset = end
+                                           [first + i for i in keep[moved:]])
+            self.keys[..., first + moved : end, :] = k
+            self.values[..., first + moved : end, :] = v
+        self.offset = start + len(keep)
 
     @property
     def state(self) -> tuple[mx.array, mx.array] | None:
@@ -107,6 +137,42 @@ class PreallocatedKVCache:
         if self.keys is None or self.values is None:
             return None
         return self.keys, self.values
+
+
+class WindowedKVCache(PreallocatedKVCache):
+    """The cache of a layer that attends over the last `window` positions only: rows out
+    of every future row's reach, and REWIND_ROWS past that, are dropped DROP_ROWS at a
+    time (one copy of the rows kept)."""
+
+    def __init__(self, window: int, chunk: int = 256, rewind: int | None = None) -> None:
+        super().__init__(chunk)
+        if window < 1:
+            raise ValueError(f"a sliding window must be at least 1 position, got {window}")
+        self.window = window
+        self.rewind = REWIND_ROWS if rewind is None else rewind
+
+    @property
+    def floor(self) -> int:
+        # a row at position p reads keys from p - window + 1: the first row after a trim
+        # to `length` must find them all held
+        return 0 if self.base == 0 else self.base + self.window - 1
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self._drop_front()
+        return super().update_and_fetch(keys, values)
+
+    def _drop_front(self) -> None:
+        """Drop the rows no pass from here on, nor a trim back REWIND_ROWS, can need."""
+        keep_from = self.offset - (self.window - 1) - self.rewind
+        if keep_from - self.base < DROP_ROWS or self.keys is None or self.values is None:
+            return
+        first, used = keep_from - self.base, self.offset - self.base
+        B, n_kv, _, k_dim = self.keys.shape
+        spare = mx.zeros((B, n_kv, self.chunk, k_dim), self.keys.dtype)
+        spare_v = mx.zeros((B, n_kv, self.chunk, self.values.shape[3]), self.values.dtype)
+        self.keys = mx.concatenate([self.keys[..., first:used, :], spare], axis=2)
+        self.values = mx.concatenate([self.values[..., first:used, :], spare_v], axis=2)
+        self.base = keep_from
 
 
 def rows_in_place(keep: Sequence[int]) -> int:
@@ -126,9 +192,27 @@ def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def make_caches(n_layers: int, chunk: int = 256) -> list[PreallocatedKVCache]:
-    """One cache per decoder layer."""
-    return [PreallocatedKVCache(chunk) for _ in range(n_layers)]
+def make_caches(n_layers: int, chunk: int = 256,
+                windows: Sequence[int | None] | None = None) -> list[PreallocatedKVCache]:
+    """One cache per decoder layer; `windows[i]`: layer i's sliding window (None: none)."""
+    windows = windows if windows is not None else [None] * n_layers
+    if len(windows) != n_layers:
+        raise ValueError(f"{len(windows)} windows for {n_layers} layers")
+    return [PreallocatedKVCache(chunk) if w is None else WindowedKVCache(w, chunk)
+            for w in windows]
+
+
+def model_caches(model, chunk: int = 256) -> list[PreallocatedKVCache]:
+    """One cache per layer of `model`, windowed where its layers slide a window."""
+    window = getattr(getattr(model, "args", None), "layer_window", None)
+    windows = [window(i) for i in range(model.n_layers)] if window is not None else None
+    return make_caches(model.n_layers, chunk, windows)
+
+
+def usable_length(caches: Sequence[KVCache], length: int) -> int:
+    """`length` where every cache can be trimmed to it and go on, else 0 (read it all
+    again): a windowed cache cannot go back past its `floor`."""
+    return length if all(length >= getattr(c, "floor", 0) for c in caches) else 0
 
 
 def cache_length(caches: Sequence[KVCache]) -> int:

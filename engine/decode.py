@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine import blas_threads
-from engine.cache import cache_length, make_caches, trim_caches
+from engine.cache import cache_length, model_caches, trim_caches
 from engine.calibration import (
     CALIBRATION_FILE,
     calibration_key,
@@ -120,7 +120,7 @@ class ChatSession:
             from engine.compat import require_compatible
 
             require_compatible(target.path, draft.path)
-        self.caches_tgt = make_caches(target.model.n_layers)
+        self.caches_tgt = model_caches(target.model)
         blas_threads.tick()  # loading started the window: it may have closed by now
         self.cached_ids_tgt: list[int] = []
         # caches of conversations this session left, for when a prompt comes back to one

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.cache import PreallocatedKVCache, shared_length, trim_caches
+from engine.cache import PreallocatedKVCache, shared_length, trim_caches, usable_length
 from engine.models.taps import FeatureTap
 
 # at most 1 GiB (three full 8k-token windows of the demo model at 46 KB a position in
@@ -40,6 +40,8 @@ class Layer:
     keys: mx.array | None
     values: mx.array | None
     offset: int
+    base: int = 0  # the position of the buffers' first row (a windowed cache dropped some)
+    floor: int = 0  # the shortest length it can go on from (`PreallocatedKVCache.floor`)
 
 
 @dataclass
@@ -106,7 +108,7 @@ class PrefixStore:
         if n < self.min_tokens or n - keep < self.min_tokens:
             return False
         entry = Parked(tuple(ids[:n]),
-                       [Layer(c.keys, c.values, c.offset) for c in caches],
+                       [Layer(c.keys, c.values, c.offset, c.base, c.floor) for c in caches],
                        [(t, list(t.chunks)) for t in taps])
         if entry.nbytes > self.budget_bytes:
             return False
@@ -116,9 +118,11 @@ class PrefixStore:
             # the live cache keeps a view of the shared rows; its next write outgrows the
             # view and copies them into a buffer of its own (`PreallocatedKVCache._grow`)
             if c.keys is not None and c.values is not None and keep:
-                c.keys, c.values = c.keys[..., :keep, :], c.values[..., :keep, :]
+                rows = keep - c.base
+                c.keys, c.values = c.keys[..., :rows, :], c.values[..., :rows, :]
             else:
                 c.keys = c.values = None
+                c.base = 0
             c.offset = keep
         for t in taps:
             t.truncate(keep)  # rows are never written in place: the parked list stays whole
@@ -128,17 +132,22 @@ class PrefixStore:
     def reuse(self, held: Sequence[int], caches: Sequence[PreallocatedKVCache],
               taps: Sequence[FeatureTap], prompt_ids: Sequence[int], limit: int) -> int:
         """Leave `caches` (holding `held`) with the longest prefix of `prompt_ids` that they
-        or a parked cache hold, at most `limit` tokens; returns its length. A parked cache
+        or a parked cache hold, at most `limit` tokens (none where a windowed layer dropped
+        rows it would need: `usable_length`); returns its length. A parked cache
         that shares more comes back and the live one is parked in its place; a live cache
         that would lose most of its rows is parked before they go. Either way not when the
         prompt goes on from the live cache's end: that conversation moved on."""
-        n = min(shared_length(held, prompt_ids), limit)
+        n = usable_length(caches, min(shared_length(held, prompt_ids), limit))
         entry, shared = self._closest(prompt_ids)
-        if entry is not None and min(shared, limit) > n:
+        if entry is not None:
+            shared = min(shared, limit)
+            if any(shared < layer.floor for layer in entry.layers):
+                shared = 0  # its windowed layers dropped rows the prompt needs again
+        if entry is not None and shared > n:
             if not carries_on(held, prompt_ids):
                 self.park(held, caches, taps, keep=0)
             self._load(entry, caches, taps)
-            n = min(shared, limit)
+            n = shared
         elif len(held) - n > n and not carries_on(held, prompt_ids):
             self.park(held, caches, taps, keep=n)
         trim_caches(caches, n)
@@ -163,7 +172,8 @@ class PrefixStore:
         """Move `entry` out of the store into `caches` and `taps`."""
         self._entries.remove(entry)
         for c, layer in zip(caches, entry.layers, strict=True):
-            c.keys, c.values, c.offset = layer.keys, layer.values, layer.offset
+            c.keys, c.values, c.offset, c.base = (layer.keys, layer.values, layer.offset,
+                                                  layer.base)
         for t in taps:
             t.chunks = next((chunks for owner, chunks in entry.taps if owner is t), [])
 

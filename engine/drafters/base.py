@@ -14,7 +14,7 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from engine.cache import KVCache, cache_length, shared_length, trim_caches
+from engine.cache import KVCache, cache_length, shared_length, trim_caches, usable_length
 from engine.models.attention import inference_pass
 from engine.sampling import (
     SamplingParams,
@@ -205,7 +205,7 @@ def sync_cache(model, caches: Sequence[KVCache], cached_ids: list[int],
     bonus token, and how its cache survives across chat turns.
     """
     want = list(context[:-1])
-    n = shared_length(cached_ids[: cache_length(caches)], want)
+    n = usable_length(caches, shared_length(cached_ids[: cache_length(caches)], want))
     trim_caches(caches, n)
     logits = None
     while n < len(want):  # in a prompt's chunks: a long prompt at once held every score

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from engine.cache import make_caches
+from engine.cache import model_caches
 from engine.drafters.base import Draft, draft_tokens, sync_cache, with_runner_ups
 from engine.sampling import SamplingParams
 
@@ -35,7 +35,7 @@ class ModelDrafter:
         args = getattr(model, "args", None)  # wrapped models in tests may not expose it
         self._draft_vocab: int | None = args.vocab_size if args is not None else None
         self.n_layers = n_layers
-        self.caches = caches if caches is not None else make_caches(model.n_layers)
+        self.caches = caches if caches is not None else model_caches(model)
         self.cached_ids: list[int] = []
         self._raw: list[mx.array] = []  # the last proposal's draft logits per depth (1, V)
 

@@ -187,24 +187,27 @@ def attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
 
 
 def slide_window(k: mx.array, v: mx.array, mask: mx.array | str | None, n_new: int,
-                 positions: mx.array | None, window: int,
+                 positions: mx.array | None, window: int, base: int = 0,
                  ) -> tuple[mx.array, mx.array, mx.array | str | None]:
     """Keys, values and mask of a sliding-window layer (Gemma's local layers): a row at
     position p sees keys at positions above p - window only.
 
-    k/v hold every key, the pass's own `n_new` rows last; those rows sit at `positions` (a
-    draft tree's) or consecutively after the committed keys, the first right after them
-    either way, so committed keys more than `window` before it are out of every row's reach
-    and are cut off before the product: a long chat's local layers attend over about
-    `window` keys, not all of them. A one-row pass needs no mask after that cut; a wider
-    one gets the window folded into its own (causal, or a tree's ancestors).
+    k/v hold the keys from position `base` on (a windowed cache dropped the ones before:
+    `engine.cache.WindowedKVCache`), the pass's own `n_new` rows last; those rows sit at
+    `positions` (a draft tree's) or consecutively after the committed keys, the first
+    right after them either way, so committed keys more than `window` before it are out of
+    every row's reach and are cut off before the product: a long chat's local layers
+    attend over about `window` keys, not all of them. A one-row pass needs no mask after
+    that cut; a wider one gets the window folded into its own (causal, or a tree's
+    ancestors), whose columns are positions from 0.
     """
     n_keys = k.shape[2]
-    if n_keys <= window:  # no row sits `window` past any key
+    if base == 0 and n_keys <= window:  # no row sits `window` past any key
         return k, v, mask
-    start = n_keys - n_new
-    lo = max(0, start - window + 1)
-    k, v = k[..., lo:, :], v[..., lo:, :]
+    end = base + n_keys
+    start = end - n_new
+    lo = max(base, start - window + 1)
+    k, v = k[..., lo - base:, :], v[..., lo - base:, :]
     if n_new == 1 and not isinstance(mask, mx.array):
         return k, v, None
     rows = (positions.astype(mx.int32) if positions is not None
@@ -216,7 +219,7 @@ def slide_window(k: mx.array, v: mx.array, mask: mx.array | str | None, n_new: i
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown attention mask {mask!r}")
-        causal = (lo + mx.arange(n_keys - lo))[None, :] <= (start + mx.arange(n_new))[:, None]
+        causal = (lo + mx.arange(end - lo))[None, :] <= (start + mx.arange(n_new))[:, None]
         return k, v, near & causal
     cut = mask[..., lo:]
     if cut.dtype == mx.bool_:

@@ -525,7 +525,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
         if self.window is not None:
-            k, v, mask = slide_window(k, v, mask, L, positions, self.window)
+            k, v, mask = slide_window(k, v, mask, L, positions, self.window,
+                                      getattr(cache, "base", 0))
         out = attention(q, k, v, self.scale, mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)  # (B, L, heads * head_dim)
         return self.o_proj(out)
