@@ -290,6 +290,32 @@ def test_qwen3_moe_routes_each_row_to_its_experts(model_dirs: dict[str, Path]) -
     assert isinstance(kept.model.layers[0].mlp.switch_mlp.up_proj, QuantizedSwitchLinear)
 
 
+@pytest.mark.parametrize(("case", "backend"), [("qwen3-moe", "cpu"), ("qwen3-moe-q4", "metal")])
+def test_a_long_pass_sorts_its_rows_by_expert_to_the_same_logits(
+        model_dirs: dict[str, Path], case: str, backend: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt chunk's (row, expert) pairs go through the gather products sorted by
+    expert and are put back in order: the logits equal those of the unsorted products,
+    and the sorted path did run."""
+    import engine.models.experts as experts
+
+    model, _ = load_weights(model_dirs[case], backend=backend)
+    tokens = mx.array([[(7 * i + 3) % 250 for i in range(80)]])  # 160 pairs at k = 2
+    calls: list[int] = []
+    sort = experts.SwitchGLU._by_expert
+    monkeypatch.setattr(experts.SwitchGLU, "_by_expert",
+                        lambda self, x, idx: calls.append(idx.size) or sort(self, x, idx))
+    got = model(tokens)
+    assert calls and min(calls) >= experts.SORT_PAIRS
+    monkeypatch.setattr(experts, "SORT_PAIRS", 1 << 30)
+    calls.clear()
+    want = model(tokens)
+    assert not calls
+    assert rel_err(got, want) < 1e-5
+    short = model(tokens[:, :8])  # 16 pairs: unsorted either way
+    assert rel_err(short, want[:, :8]) < 1e-4
+
+
 @pytest.mark.parametrize("case", ["phi4-mini-partial-longrope", "gemma3", "llama3-rope-scaling"])
 def test_the_gpu_rope_path_turns_as_the_cpu_table_does(model_dirs: dict[str, Path],
                                                        case: str) -> None:
