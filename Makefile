@@ -8,10 +8,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 UNAME := $(shell uname -s)
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
-# Debian/Ubuntu packages: the fast BLAS for MLX's CPU backend, what Qt's xcb plugin needs,
+# Debian/Ubuntu packages: the fast BLAS for MLX's CPU backend, gcc (builds our few-row
+# product, engine/few_rows.py), what Qt's xcb plugin needs,
 # clang (tests/kernels check the Metal kernels' generated source with clang++), and binutils
 # (PyInstaller's objdump, for `make app` and tests/packaging's bundle build).
-APT_PACKAGES := libopenblas0-pthread clang binutils libxcb-cursor0 libxkbcommon-x11-0 libxcb-icccm4 \
+APT_PACKAGES := libopenblas0-pthread gcc clang binutils libxcb-cursor0 libxkbcommon-x11-0 libxcb-icccm4 \
 	libxcb-image0 libxcb-keysyms1 libxcb-randr0 libxcb-render-util0 libxcb-shape0 \
 	libxcb-xinerama0 libxcb-xkb1 libegl1 libgl1 libfontconfig1 libdbus-1-3
 ifeq ($(shell id -u),0)
@@ -26,9 +27,10 @@ run: setup
 	$(VENV)/bin/understudy
 
 # The tests preload OpenBLAS as the launcher does, with the kernels it picks where OpenBLAS
-# does not know this CPU (engine/blas_core.py).
+# does not know this CPU (engine/blas_core.py), and ahead of it our few-row product
+# (engine/few_rows.py, built with the system C compiler the first time).
 test: setup
-	env QT_QPA_PLATFORM=offscreen $$(test -e $(OPENBLAS) && echo LD_PRELOAD=$(OPENBLAS) && \
+	env QT_QPA_PLATFORM=offscreen $$(test -e $(OPENBLAS) && $(PY) -m engine.few_rows $(OPENBLAS) && \
 		$(PY) -m engine.blas_core $(OPENBLAS)) $(PY) -m pytest -q
 
 setup: system-deps $(VENV)/.installed

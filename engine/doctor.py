@@ -21,6 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.blas_core import ENV, better_core, corename, cpu_flags, threads_api
+from engine.few_rows import unsupported
 from engine.loading import default_backend
 from engine.paths import app_data_dir
 from kernels import dispatch, selftest
@@ -116,8 +117,18 @@ def blas_info() -> BlasInfo | None:
             name, path = "reference BLAS bundled with the mlx wheel (slow)", libs[0]
         else:
             name, path = "unknown", None
-    kernels = (*_kernels_said(), *_threads_said()) if name.startswith("OpenBLAS") else ()
+    kernels = ((*_kernels_said(), *_threads_said(), *_few_rows_said(libs))
+               if name.startswith("OpenBLAS") else ())
     return BlasInfo(name, path, _matmul_gflops(), kernels, _layout_said())
+
+
+def _few_rows_said(libs: list[str]) -> tuple[str, ...]:
+    """Whether our few-row product (`engine.few_rows`) serves a decoding step's matmuls."""
+    ours = [p for p in libs if "libunderstudyblas" in p]
+    if ours:
+        return (f"products of 1-64 rows: Understudy's own ({ours[0]})",)
+    reason = unsupported() or "not preloaded: start with `understudy`"
+    return (f"products of 1-64 rows: OpenBLAS's ({reason})",)
 
 
 def _threads_said() -> tuple[str, ...]:

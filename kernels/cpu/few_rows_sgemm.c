@@ -1,0 +1,211 @@
+/* Few-row float32 products for MLX's CPU backend: a verify pass's x @ W.T.
+ *
+ * MLX hands every float32 matmul to cblas_sgemm. For the products a decoding step makes,
+ * a handful of rows against a weight matrix read from memory, OpenBLAS's sgemm packs the
+ * operands and reads the weights at a fraction of the memory bandwidth: on this project's
+ * 2-core VMs a 1-row 576 x 1536 product took ~220 us, where streaming the 3.5 MB once
+ * takes ~60. This library, preloaded ahead of OpenBLAS (engine/few_rows.py), serves
+ * row-major C = A @ B.T with at most MAX_ROWS rows of A itself and passes every other
+ * call on to the next cblas_sgemm.
+ *
+ * Every output is one 8-lane accumulator over K in order, summed across lanes, then K's
+ * tail: the same arithmetic whatever the number of rows and wherever the output falls in
+ * a tile, so a row of a 16-row verify pass equals the 1-row step's bit for bit (the
+ * lossless rules compare them). Tiles: a 1-3 row product streams each row of B once
+ * (one read stream per thread is what keeps the memory busy); wider ones take 3 rows of
+ * A against 4 of B, twelve accumulators.
+ *
+ * Threads: as many as OpenBLAS is set to (engine/blas_threads.py follows the machine's
+ * load), splitting B's rows; the helpers spin briefly between products, then sleep.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+
+enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
+#define MAX_ROWS 64    /* a verify pass's rows at most; prompt chunks go to OpenBLAS */
+#define MAX_THREADS 64
+#define SPIN 20000     /* pause loops a helper waits for the next product before sleeping */
+#ifndef STREAM_ROWS
+#define STREAM_ROWS 6
+#endif
+#define STREAM_BYTES (20 * 1024) /* of A's rows: what L1 holds beside a row of B */
+#define MIN_SPLIT (1 << 16) /* multiply-adds below which one thread does the whole product */
+
+typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int,
+                         const float *, int, float, float *, int);
+typedef int (*threads_fn)(void);
+
+static sgemm_fn next_sgemm;
+static threads_fn blas_threads;
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+static void resolve(void) {
+    next_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
+    blas_threads = (threads_fn)dlsym(RTLD_DEFAULT, "openblas_get_num_threads");
+}
+
+static inline float lanes_sum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+typedef struct {
+    int M, N, K, lda, ldb, ldc;
+    float alpha, beta;
+    const float *A, *B;
+    float *C;
+} Product;
+
+/* C[i][j] for i < MR rows from A and j < NR rows from B, MR and NR known at each call
+   site so the accumulators live in registers */
+static inline __attribute__((always_inline)) void tile(const int MR, const int NR,
+                                                       const Product *p, int m, int n) {
+    const float *A = p->A + (size_t)m * p->lda, *B = p->B + (size_t)n * p->ldb;
+    const int K = p->K, K8 = K & ~7;
+    __m256 acc[4][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int k = 0; k < K8; k += 8) {
+        __m256 b[4];
+        for (int j = 0; j < NR; j++) b[j] = _mm256_loadu_ps(B + (size_t)j * p->ldb + k);
+        for (int i = 0; i < MR; i++) {
+            __m256 a = _mm256_loadu_ps(A + (size_t)i * p->lda + k);
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) {
+            const float *a = A + (size_t)i * p->lda, *b = B + (size_t)j * p->ldb;
+            float s = lanes_sum(acc[i][j]);
+            for (int k = K8; k < K; k++) s += a[k] * b[k];
+            float *c = p->C + (size_t)(m + i) * p->ldc + n + j;
+            *c = p->beta == 0.0f ? p->alpha * s : p->alpha * s + p->beta * *c;
+        }
+}
+
+/* every row of A against rows n0..n1 of B */
+static void product_part(const Product *p, int n0, int n1) {
+    const int M = p->M;
+    if (M <= STREAM_ROWS && (long)M * p->K * 4 <= STREAM_BYTES) {
+        /* A stays in L1 while each row of B streams past once */
+        for (int n = n0; n < n1; n++) {
+            int m = 0;
+            for (; m + 4 <= M; m += 4) tile(4, 1, p, m, n);
+            switch (M - m) {
+            case 3: tile(3, 1, p, m, n); break;
+            case 2: tile(2, 1, p, m, n); break;
+            case 1: tile(1, 1, p, m, n); break;
+            }
+        }
+        return;
+    }
+    int n = n0;
+    for (; n + 4 <= n1; n += 4) {
+        int m = 0;
+        for (; m + 3 <= M; m += 3) tile(3, 4, p, m, n);
+        if (M - m == 2) tile(2, 4, p, m, n);
+        else if (M - m == 1) tile(1, 4, p, m, n);
+    }
+    for (; n < n1; n++) {
+        int m = 0;
+        for (; m + 3 <= M; m += 3) tile(3, 1, p, m, n);
+        if (M - m == 2) tile(2, 1, p, m, n);
+        else if (M - m == 1) tile(1, 1, p, m, n);
+    }
+}
+
+/* ---- the helpers: one job at a time, handed over by a generation counter ---- */
+static struct {
+    pthread_mutex_t busy; /* one product in flight; another caller computes alone */
+    pthread_mutex_t mu;
+    pthread_cond_t wake;
+    atomic_uint generation;
+    atomic_int pending;
+    int started, parts;
+    unsigned born[MAX_THREADS]; /* the generation each helper was started at */
+    Product job;
+} pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER};
+
+static void part_bounds(int part, int parts, int N, int *n0, int *n1) {
+    int per = ((N + parts - 1) / parts + 3) & ~3; /* whole 4-row tiles per part */
+    *n0 = part * per;
+    *n1 = *n0 + per < N ? *n0 + per : N;
+}
+
+static void *helper(void *arg) {
+    const int part = (int)(size_t)arg;
+    unsigned seen = pool.born[part];
+    for (;;) {
+        for (int i = 0; i < SPIN && atomic_load(&pool.generation) == seen; i++) _mm_pause();
+        if (atomic_load(&pool.generation) == seen) {
+            pthread_mutex_lock(&pool.mu);
+            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.mu);
+            pthread_mutex_unlock(&pool.mu);
+        }
+        seen = atomic_load(&pool.generation);
+        if (part < pool.parts) {
+            int n0, n1;
+            part_bounds(part, pool.parts, pool.job.N, &n0, &n1);
+            if (n0 < n1) product_part(&pool.job, n0, n1);
+            atomic_fetch_sub(&pool.pending, 1);
+        }
+    }
+    return NULL;
+}
+
+static int wanted_threads(const Product *p) {
+    if ((long)p->M * p->N * p->K < MIN_SPLIT) return 1;
+    int t = blas_threads ? blas_threads() : 1;
+    return t < 1 ? 1 : t > MAX_THREADS ? MAX_THREADS : t;
+}
+
+static void run(const Product *p) {
+    int threads = wanted_threads(p);
+    if (threads == 1 || pthread_mutex_trylock(&pool.busy) != 0) {
+        product_part(p, 0, p->N);
+        return;
+    }
+    while (pool.started < threads - 1) { /* helpers are started once, as first needed */
+        pthread_t t;
+        pool.born[pool.started + 1] = atomic_load(&pool.generation);
+        if (pthread_create(&t, NULL, helper, (void *)(size_t)(pool.started + 1)) != 0) break;
+        pthread_detach(t);
+        pool.started++;
+    }
+    int parts = pool.started + 1 < threads ? pool.started + 1 : threads;
+    pool.job = *p;
+    pool.parts = parts;
+    atomic_store(&pool.pending, pool.started);
+    pthread_mutex_lock(&pool.mu);
+    atomic_fetch_add(&pool.generation, 1);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.mu);
+    int n0, n1;
+    part_bounds(0, parts, p->N, &n0, &n1);
+    if (n0 < n1) product_part(p, n0, n1);
+    /* helpers past `parts` only count themselves off */
+    while (atomic_load(&pool.pending) > 0) _mm_pause();
+    pthread_mutex_unlock(&pool.busy);
+}
+
+int understudy_few_rows_max(void) { return MAX_ROWS; }
+
+void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
+                 const float *A, int lda, const float *B, int ldb, float beta, float *C,
+                 int ldc) {
+    pthread_once(&once, resolve);
+    if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 &&
+        M <= MAX_ROWS && N >= 1 && K >= 1) {
+        Product p = {M, N, K, lda, ldb, ldc, alpha, beta, A, B, C};
+        run(&p);
+        return;
+    }
+    if (next_sgemm) next_sgemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+}
