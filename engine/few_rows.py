@@ -20,6 +20,7 @@ UNDERSTUDY_FEW_ROWS=0 turns it off.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -74,15 +75,21 @@ def compiler() -> str | None:
 
 
 def build(dest: Path | None = None) -> Path | None:
-    """The built library, compiling it first where it is missing; None (with a warning in
-    the log saying why) where it cannot be built. Written under a temporary name and
-    renamed, so a build cut short never leaves a library half-written."""
+    """The built library, compiling it first where it is missing; None where it cannot be
+    built. Written under a temporary name and renamed, so a build cut short never leaves a
+    library half-written. A failed build says why once (a warning, and the compiler's
+    words in `<library>.failed`) and is not tried again for the same source: the app starts
+    as fast as before, on OpenBLAS alone."""
     dest = dest if dest is not None else library_path()
     if dest.exists():
         return dest
+    failed = dest.with_suffix(".failed")
+    if failed.exists():
+        log.info("few-row products: the last build failed (%s); OpenBLAS serves them", failed)
+        return None
     cc = compiler()
     if cc is None:
-        log.warning("few-row products: no C compiler (cc, gcc or clang); OpenBLAS serves them")
+        log.info("few-row products: no C compiler (gcc, cc or clang); OpenBLAS serves them")
         return None
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
@@ -93,17 +100,18 @@ def build(dest: Path | None = None) -> Path | None:
     try:
         done = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE), *LIBS],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            log.warning("few-row products: %s could not build %s:\n%s", cc, SOURCE,
-                        done.stderr.strip()[-2000:])
-            return None
-        os.replace(tmp, dest)
-        return dest
+        if done.returncode == 0:
+            os.replace(tmp, dest)
+            return dest
+        why = f"{cc} could not build {SOURCE}:\n{done.stderr.strip()[-4000:]}"
     except (OSError, subprocess.TimeoutExpired) as e:
-        log.warning("few-row products: building with %s failed (%s)", cc, e)
-        return None
+        why = f"building with {cc} failed ({e})"
     finally:
         tmp.unlink(missing_ok=True)
+    log.warning("few-row products: %s", why)
+    with contextlib.suppress(OSError):
+        failed.write_text(why + "\n")
+    return None
 
 
 def preload() -> Path | None:

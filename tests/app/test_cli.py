@@ -807,6 +807,14 @@ def test_launcher_preloads_openblas(chain: Path, tmp_path: Path, no_reexec: bool
         assert b"UNDERSTUDY_NO_REEXEC=1" in environ
     core = sorted(e.decode() for e in environ if e.startswith(b"OPENBLAS_CORETYPE="))
     assert core == ([] if no_reexec else wanted)
+    # ahead of OpenBLAS, our few-row product, built into this data dir's cache
+    from engine.few_rows import compiler, unsupported
+
+    ours = unsupported() is None and compiler() is not None
+    assert ("libunderstudyblas" in maps) is (ours and not no_reexec)
+    if ours and not no_reexec:
+        assert preload[0].split(b"=", 1)[1].split(b":")[0].startswith(
+            str(tmp_path / "cache" / "native").encode())
 
 
 @pytest.mark.slow

@@ -115,9 +115,19 @@ def test_a_failed_build_leaves_nothing_and_says_why(tmp_path: Path,
     with caplog.at_level("WARNING"):
         assert few_rows.build(dest) is None
     assert not dest.exists() and not list(dest.parent.glob(".*tmp"))
-    assert "could not build" in caplog.text or "failed" in caplog.text
+    assert "could not build" in caplog.text
+    failed = dest.with_suffix(".failed")
+    assert "bad.c" in failed.read_text()
+    # not tried again at the next start: no second warning, and no compiler run
+    caplog.clear()
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert few_rows.build(dest) is None
+    with caplog.at_level("WARNING"):
+        assert few_rows.build(dest) is None
+    assert caplog.text == ""
+    failed.unlink()
+    with caplog.at_level("WARNING"):
+        assert few_rows.build(dest) is None  # a compiler that is not there
+    assert "failed" in caplog.text
 
 
 def test_where_it_does_not_apply_it_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
