@@ -43,9 +43,12 @@ static sgemm_fn next_sgemm;
 static threads_fn blas_threads;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
+static void after_fork_in_child(void);
+
 static void resolve(void) {
     next_sgemm = (sgemm_fn)dlsym(RTLD_NEXT, "cblas_sgemm");
     blas_threads = (threads_fn)dlsym(RTLD_DEFAULT, "openblas_get_num_threads");
+    pthread_atfork(NULL, NULL, after_fork_in_child);
 }
 
 static inline float lanes_sum(__m256 v) {
@@ -133,6 +136,15 @@ static struct {
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER};
 
+/* a forked child has none of the parent's helpers (and maybe a lock a parent's thread
+   held): it starts its own pool, as needed */
+static void after_fork_in_child(void) {
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pool.started = 0;
+}
+
 static void part_bounds(int part, int parts, int N, int *n0, int *n1) {
     int per = ((N + parts - 1) / parts + 3) & ~3; /* whole 4-row tiles per part */
     *n0 = part * per;
@@ -154,8 +166,8 @@ static void *helper(void *arg) {
             int n0, n1;
             part_bounds(part, pool.parts, pool.job.N, &n0, &n1);
             if (n0 < n1) product_part(&pool.job, n0, n1);
-            atomic_fetch_sub(&pool.pending, 1);
         }
+        atomic_fetch_sub(&pool.pending, 1); /* every helper, with a part or without */
     }
     return NULL;
 }
@@ -190,7 +202,6 @@ static void run(const Product *p) {
     int n0, n1;
     part_bounds(0, parts, p->N, &n0, &n1);
     if (n0 < n1) product_part(p, n0, n1);
-    /* helpers past `parts` only count themselves off */
     while (atomic_load(&pool.pending) > 0) _mm_pause();
     pthread_mutex_unlock(&pool.busy);
 }

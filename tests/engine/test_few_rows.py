@@ -171,3 +171,51 @@ def test_preloaded_ahead_of_openblas_it_serves_mlx(library: Path) -> None:
     assert lines["equal"] == "True"
     assert lines["mapped"] == "True"
     assert float(lines["prefill_err"]) < 1e-3
+
+
+POOL_SCRIPT = """
+import ctypes, os, sys
+import numpy as np
+blas = ctypes.CDLL(sys.argv[2], mode=ctypes.RTLD_GLOBAL)
+blas.openblas_set_num_threads.argtypes = [ctypes.c_int]
+lib = ctypes.CDLL(sys.argv[1])
+ptr = ctypes.POINTER(ctypes.c_float)
+def product(a, b):
+    M, K = a.shape
+    N = b.shape[0]
+    c = np.zeros((M, N), np.float32)
+    lib.cblas_sgemm(101, 111, 112, M, N, K, ctypes.c_float(1.0), a.ctypes.data_as(ptr), K,
+                    b.ctypes.data_as(ptr), K, ctypes.c_float(0.0), c.ctypes.data_as(ptr), N)
+    return c
+rng = np.random.default_rng(0)
+a = rng.random((5, 576), np.float32)
+b = rng.random((1536, 576), np.float32)
+want = a.astype(np.float64) @ b.astype(np.float64).T
+for t in (4, 2, 1, 3, 2):  # the pool grows to 3 helpers, then runs with fewer parts
+    blas.openblas_set_num_threads(t)
+    assert np.abs(product(a, b) - want).max() < 1e-3, t
+pid = os.fork()
+if pid == 0:  # the child has no helpers: it must start its own, not wait for the parent's
+    ok = np.abs(product(a, b) - want).max() < 1e-3
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print("ok" if status == 0 else f"child failed {status}")
+"""
+
+
+@needs_kernel
+def test_the_helper_threads_follow_the_thread_count_and_survive_a_fork(library: Path,
+                                                                      tmp_path: Path) -> None:
+    """OpenBLAS's thread count (which `engine.blas_threads` moves with the machine's load)
+    sets how many helpers share a product: grown to 3 helpers, then run with fewer, then
+    forked, every product must finish (the first version waited for ever on a helper that
+    had no part) and be right."""
+    blas = openblas_path()
+    if blas is None:
+        pytest.skip("no system OpenBLAS")
+    script = tmp_path / "pool.py"
+    script.write_text(POOL_SCRIPT)
+    out = subprocess.run([sys.executable, str(script), str(library), str(blas)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
