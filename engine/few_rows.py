@@ -117,7 +117,7 @@ def build(dest: Path | None = None) -> Path | None:
 def preload() -> Path | None:
     """The library to preload ahead of OpenBLAS, built if need be; None where it does not
     apply here or cannot be built."""
-    reason = unsupported()
+    reason = unsupported() or (None if SOURCE.exists() else f"{SOURCE} is missing")
     if reason is not None:
         log.info("few-row products: %s", reason)
         return None
