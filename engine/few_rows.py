@@ -7,8 +7,8 @@ weights at a fraction of the memory's bandwidth: on this project's 2-core VMs a 
 1-token pass of the demo ~50 ms. `kernels/cpu/few_rows_sgemm.c` computes row-major
 x @ W.T of up to 64 rows itself (AVX2 + FMA, each output summed in one fixed order, so a
 row of a verify pass equals the one-token step's bit for bit) and passes every other
-product on to OpenBLAS: the demo's 1-token pass took ~26 ms with it, 2 rows ~31, 16 ~89
-(OpenBLAS alone: 50, 59, 98).
+product on to OpenBLAS: the demo's 1-token pass took 26-32 ms with it, 4 rows ~50, 8 ~70,
+16 ~94 (OpenBLAS alone: ~51, 73-76, 80, ~94).
 
 It is preloaded ahead of OpenBLAS (the launcher; `make test` through `main`), so MLX
 needs no change and a machine without it runs as before. It is built from source the
