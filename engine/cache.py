@@ -67,6 +67,10 @@ class PreallocatedKVCache:
     @property
     def floor(self) -> int:
         """The shortest length this cache can be trimmed to and go on from (0: any)."""
+        return self.floor_at(self.base)
+
+    def floor_at(self, base: int) -> int:
+        """`floor` for rows held from position `base` on (a parked copy's, too)."""
         return 0
 
     @property
@@ -151,27 +155,25 @@ class WindowedKVCache(PreallocatedKVCache):
         self.window = window
         self.rewind = REWIND_ROWS if rewind is None else rewind
 
-    @property
-    def floor(self) -> int:
+    def floor_at(self, base: int) -> int:
         # a row at position p reads keys from p - window + 1: the first row after a trim
         # to `length` must find them all held
-        return 0 if self.base == 0 else self.base + self.window - 1
+        return 0 if base == 0 else base + self.window - 1
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._drop_front()
         return super().update_and_fetch(keys, values)
 
     def _drop_front(self) -> None:
-        """Drop the rows no pass from here on, nor a trim back REWIND_ROWS, can need."""
+        """Drop the rows no pass from here on, nor a trim back REWIND_ROWS, can need: the
+        buffers become a view of the rows kept, which the write that follows outgrows into
+        a buffer of its own (`_grow`, one copy)."""
         keep_from = self.offset - (self.window - 1) - self.rewind
         if keep_from - self.base < DROP_ROWS or self.keys is None or self.values is None:
             return
         first, used = keep_from - self.base, self.offset - self.base
-        B, n_kv, _, k_dim = self.keys.shape
-        spare = mx.zeros((B, n_kv, self.chunk, k_dim), self.keys.dtype)
-        spare_v = mx.zeros((B, n_kv, self.chunk, self.values.shape[3]), self.values.dtype)
-        self.keys = mx.concatenate([self.keys[..., first:used, :], spare], axis=2)
-        self.values = mx.concatenate([self.values[..., first:used, :], spare_v], axis=2)
+        self.keys = self.keys[..., first:used, :]
+        self.values = self.values[..., first:used, :]
         self.base = keep_from
 
 
@@ -209,10 +211,15 @@ def model_caches(model, chunk: int = 256) -> list[PreallocatedKVCache]:
     return make_caches(model.n_layers, chunk, windows)
 
 
-def usable_length(caches: Sequence[KVCache], length: int) -> int:
+def usable_length(caches: Sequence[KVCache], length: int,
+                  bases: Sequence[int] | None = None) -> int:
     """`length` where every cache can be trimmed to it and go on, else 0 (read it all
-    again): a windowed cache cannot go back past its `floor`."""
-    return length if all(length >= getattr(c, "floor", 0) for c in caches) else 0
+    again): a windowed cache cannot go back past its `floor`. `bases`: judge the caches
+    as holding rows from these positions instead (a parked copy of them)."""
+    bases = bases if bases is not None else [getattr(c, "base", 0) for c in caches]
+    floors = [c.floor_at(b) if hasattr(c, "floor_at") else 0
+              for c, b in zip(caches, bases, strict=True)]
+    return length if all(length >= f for f in floors) else 0
 
 
 def cache_length(caches: Sequence[KVCache]) -> int:

@@ -41,7 +41,6 @@ class Layer:
     values: mx.array | None
     offset: int
     base: int = 0  # the position of the buffers' first row (a windowed cache dropped some)
-    floor: int = 0  # the shortest length it can go on from (`PreallocatedKVCache.floor`)
 
 
 @dataclass
@@ -108,7 +107,7 @@ class PrefixStore:
         if n < self.min_tokens or n - keep < self.min_tokens:
             return False
         entry = Parked(tuple(ids[:n]),
-                       [Layer(c.keys, c.values, c.offset, c.base, c.floor) for c in caches],
+                       [Layer(c.keys, c.values, c.offset, c.base) for c in caches],
                        [(t, list(t.chunks)) for t in taps])
         if entry.nbytes > self.budget_bytes:
             return False
@@ -139,10 +138,9 @@ class PrefixStore:
         prompt goes on from the live cache's end: that conversation moved on."""
         n = usable_length(caches, min(shared_length(held, prompt_ids), limit))
         entry, shared = self._closest(prompt_ids)
-        if entry is not None:
-            shared = min(shared, limit)
-            if any(shared < layer.floor for layer in entry.layers):
-                shared = 0  # its windowed layers dropped rows the prompt needs again
+        if entry is not None:  # (its windowed layers may have dropped rows needed again)
+            shared = usable_length(caches, min(shared, limit),
+                                   [layer.base for layer in entry.layers])
         if entry is not None and shared > n:
             if not carries_on(held, prompt_ids):
                 self.park(held, caches, taps, keep=0)

@@ -29,9 +29,7 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 #define MAX_ROWS 64    /* a verify pass's rows at most; prompt chunks go to OpenBLAS */
 #define MAX_THREADS 64
 #define SPIN 20000     /* pause loops a helper waits for the next product before sleeping */
-#ifndef STREAM_ROWS
-#define STREAM_ROWS 6
-#endif
+#define STREAM_ROWS 6 /* rows of A streamed against each row of B (else 3 x 4 tiles) */
 #define STREAM_BYTES (20 * 1024) /* of A's rows: what L1 holds beside a row of B */
 #define MIN_SPLIT (1 << 16) /* multiply-adds below which one thread does the whole product */
 
@@ -205,8 +203,6 @@ static void run(const Product *p) {
     while (atomic_load(&pool.pending) > 0) _mm_pause();
     pthread_mutex_unlock(&pool.busy);
 }
-
-int understudy_few_rows_max(void) { return MAX_ROWS; }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
                  const float *A, int lda, const float *B, int ldb, float beta, float *C,
