@@ -13,7 +13,10 @@
  * a tile, so a row of a 16-row verify pass equals the 1-row step's bit for bit (the
  * lossless rules compare them). Tiles: a 1-3 row product streams each row of B once
  * (one read stream per thread is what keeps the memory busy); wider ones take 3 rows of
- * A against 4 of B, twelve accumulators.
+ * A against 4 of B, twelve accumulators, and fetch the next 4 rows of B into L2 while
+ * the first 3 rows of A meet these: without that, the first tile of each 4 waited on
+ * memory and the rest on nothing, and a 4-12 row product took 1.3-1.8x as long (cold
+ * 576 x 1536: 8 rows ~240 -> ~140 us, 16 ~330 -> ~230), as did 4-6 rows streamed.
  *
  * Threads: as many as OpenBLAS is set to (engine/blas_threads.py follows the machine's
  * load), splitting B's rows; the helpers spin briefly between products, then sleep.
@@ -29,7 +32,7 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 #define MAX_ROWS 64    /* a verify pass's rows at most; prompt chunks go to OpenBLAS */
 #define MAX_THREADS 64
 #define SPIN 20000     /* pause loops a helper waits for the next product before sleeping */
-#define STREAM_ROWS 6 /* rows of A streamed against each row of B (else 3 x 4 tiles) */
+#define STREAM_ROWS 3 /* at most (1-3) rows of A streamed against each row of B (else 3 x 4 tiles) */
 #define STREAM_BYTES (20 * 1024) /* of A's rows: what L1 holds beside a row of B */
 #define MIN_SPLIT (1 << 16) /* multiply-adds below which one thread does the whole product */
 
@@ -64,9 +67,11 @@ typedef struct {
 } Product;
 
 /* C[i][j] for i < MR rows from A and j < NR rows from B, MR and NR known at each call
-   site so the accumulators live in registers */
+   site so the accumulators live in registers. `ahead`, when given: NR rows of B (as far
+   apart as B's) to fetch into L2 meanwhile, a cache line of each every 16 floats of K */
 static inline __attribute__((always_inline)) void tile(const int MR, const int NR,
-                                                       const Product *p, int m, int n) {
+                                                       const Product *p, int m, int n,
+                                                       const float *ahead) {
     const float *A = p->A + (size_t)m * p->lda, *B = p->B + (size_t)n * p->ldb;
     const int K = p->K, K8 = K & ~7;
     __m256 acc[4][4];
@@ -74,6 +79,9 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
         for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
     for (int k = 0; k < K8; k += 8) {
         __m256 b[4];
+        if (ahead && !(k & 15))
+            for (int j = 0; j < NR; j++)
+                _mm_prefetch((const char *)(ahead + (size_t)j * p->ldb + k), _MM_HINT_T1);
         for (int j = 0; j < NR; j++) b[j] = _mm256_loadu_ps(B + (size_t)j * p->ldb + k);
         for (int i = 0; i < MR; i++) {
             __m256 a = _mm256_loadu_ps(A + (size_t)i * p->lda + k);
@@ -95,29 +103,28 @@ static void product_part(const Product *p, int n0, int n1) {
     const int M = p->M;
     if (M <= STREAM_ROWS && (long)M * p->K * 4 <= STREAM_BYTES) {
         /* A stays in L1 while each row of B streams past once */
-        for (int n = n0; n < n1; n++) {
-            int m = 0;
-            for (; m + 4 <= M; m += 4) tile(4, 1, p, m, n);
-            switch (M - m) {
-            case 3: tile(3, 1, p, m, n); break;
-            case 2: tile(2, 1, p, m, n); break;
-            case 1: tile(1, 1, p, m, n); break;
+        for (int n = n0; n < n1; n++) switch (M) {
+            case 3: tile(3, 1, p, 0, n, NULL); break;
+            case 2: tile(2, 1, p, 0, n, NULL); break;
+            default: tile(1, 1, p, 0, n, NULL); break;
             }
-        }
         return;
     }
     int n = n0;
     for (; n + 4 <= n1; n += 4) {
+        /* the next tile's rows of B come from memory while this one's first rows of A
+           are multiplied; the rest of A then finds them in L2 */
+        const float *next = n + 8 <= n1 ? p->B + (size_t)(n + 4) * p->ldb : NULL;
         int m = 0;
-        for (; m + 3 <= M; m += 3) tile(3, 4, p, m, n);
-        if (M - m == 2) tile(2, 4, p, m, n);
-        else if (M - m == 1) tile(1, 4, p, m, n);
+        for (; m + 3 <= M; m += 3) tile(3, 4, p, m, n, m == 0 ? next : NULL);
+        if (M - m == 2) tile(2, 4, p, m, n, NULL);
+        else if (M - m == 1) tile(1, 4, p, m, n, NULL);
     }
     for (; n < n1; n++) {
         int m = 0;
-        for (; m + 3 <= M; m += 3) tile(3, 1, p, m, n);
-        if (M - m == 2) tile(2, 1, p, m, n);
-        else if (M - m == 1) tile(1, 1, p, m, n);
+        for (; m + 3 <= M; m += 3) tile(3, 1, p, m, n, NULL);
+        if (M - m == 2) tile(2, 1, p, m, n, NULL);
+        else if (M - m == 1) tile(1, 1, p, m, n, NULL);
     }
 }
 
