@@ -127,10 +127,12 @@ def host_softmax(scores: mx.array, causal: int = 0) -> mx.array:
     return mx.array(e)
 
 
-def _on_host(scores: mx.array) -> bool:
-    """Whether this softmax runs on the host: an inference pass's, over enough scores."""
-    return (scores.size >= FAST_SOFTMAX_MIN and scores.dtype == mx.float32
-            and _inference_pass.get())
+def on_host(values: mx.array, minimum: int = FAST_SOFTMAX_MIN) -> bool:
+    """Whether an inference pass's elementwise work on `values` (a softmax's scores, an
+    activation's inputs: `models.activations`) runs on the host: float32 on the CPU
+    backend, at least `minimum` of them."""
+    return (values.size >= minimum and values.dtype == mx.float32 and _inference_pass.get()
+            and mx.default_device().type == mx.DeviceType.cpu)
 
 
 def softmax_last(scores: mx.array) -> mx.array:
@@ -138,7 +140,7 @@ def softmax_last(scores: mx.array) -> mx.array:
     scores (within a few float32 ulps), without `mx.exp` on large inputs."""
     if scores.size < FAST_SOFTMAX_MIN or scores.dtype != mx.float32:
         return mx.softmax(scores, axis=-1, precise=True)
-    if _on_host(scores):
+    if on_host(scores):
         return host_softmax(scores)
     return _fast_softmax(scores)
 
@@ -162,7 +164,7 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     n_kv, S = k.shape[1], k.shape[2]
     group = H // n_kv
     scores = (q * scale).reshape(B, n_kv, group * L, d) @ k.swapaxes(-1, -2)
-    if isinstance(mask, str) and mask == "causal" and _on_host(scores):
+    if isinstance(mask, str) and mask == "causal" and on_host(scores):
         weights = host_softmax(scores, causal=L)  # masked there, on the last L keys only
     else:
         if mask is not None:

@@ -28,6 +28,7 @@ import mlx.nn as nn
 
 from engine.cache import KVCache
 from engine.errors import ModelFormatError, UnsupportedModelError
+from engine.models.activations import gated
 from engine.models.attention import attention, slide_window
 from engine.models.experts import SparseMoE
 from engine.models.rope import rope_table
@@ -566,14 +567,14 @@ class MLP(nn.Module):
             self.gate_proj = Linear(D, H, bias=bias)
             self.up_proj = Linear(D, H, bias=bias)
         self.down_proj = Linear(H, D, bias=bias)
-        self._act = nn.gelu_approx if args.is_gemma else nn.silu
+        self._gelu = args.is_gemma
 
     def __call__(self, x: mx.array) -> mx.array:
         if "gate_up_proj" in self:
             gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(self._act(gate) * up)
+        return self.down_proj(gated(gate, up, self._gelu))
 
 
 class DecoderLayer(nn.Module):

@@ -21,6 +21,8 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
+from engine.models.activations import gated
+
 # (row, expert) pairs from which a pass sorts them by expert: a decode step's few pairs
 # gain nothing from the sort and would pay for it
 SORT_PAIRS = 64
@@ -82,7 +84,7 @@ class SwitchGLU(nn.Module):
         if idx.size >= SORT_PAIRS:
             return self._by_expert(x, idx)
         x = mx.expand_dims(x, (-2, -3))  # (B, L, 1, 1, D): one row, shared by its k experts
-        h = nn.silu(self.gate_proj(x, idx)) * self.up_proj(x, idx)  # (B, L, k, 1, H)
+        h = gated(self.gate_proj(x, idx), self.up_proj(x, idx))  # (B, L, k, 1, H)
         return self.down_proj(h, idx).squeeze(-2)
 
     def _by_expert(self, x: mx.array, idx: mx.array) -> mx.array:
@@ -92,8 +94,8 @@ class SwitchGLU(nn.Module):
         order = mx.argsort(flat)
         rows = mx.expand_dims(x.reshape(-1, x.shape[-1])[order // k], -2)  # (P, 1, D)
         experts = flat[order]
-        h = (nn.silu(self.gate_proj(rows, experts, sorted_indices=True))
-             * self.up_proj(rows, experts, sorted_indices=True))  # (P, 1, H)
+        h = gated(self.gate_proj(rows, experts, sorted_indices=True),
+                  self.up_proj(rows, experts, sorted_indices=True))  # (P, 1, H)
         out = self.down_proj(h, experts, sorted_indices=True)  # (P, 1, D)
         return out[mx.argsort(order)].reshape(*lead, k, -1)
 
