@@ -4,14 +4,20 @@ Not a stateful RNG: the Gumbel noise for the token at position t is a pure funct
 seed, t and the vocabulary index, so plain decoding, drafting and verification (and the
 Metal kernel, which computes the same hash in integer arithmetic) all see the same noise
 whatever the batch shape. The constants are also written into the Metal source's header
-(`metal_constants`), so the two implementations cannot drift apart.
+(`metal_constants`), so the two implementations cannot drift apart. On MLX's CPU backend,
+which takes `log` one element at a time, the noise is computed in numpy (`host_gumbel`,
+the same hash bit for bit).
 """
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Sequence
+from functools import lru_cache
 
 import mlx.core as mx
+import numpy as np
 
 from kernels.compile import compiled_on_main_thread
 
@@ -141,11 +147,111 @@ def noise_bits(seed: int, positions: Sequence[int] | mx.array, vocab_size: int) 
 def gumbel_noise(seed: int, positions: Sequence[int] | mx.array, vocab_size: int) -> mx.array:
     """Float32 Gumbel(0, 1) noise (N, V); row i depends only on (seed, positions[i], index).
 
-    The same (seed, t) gives bit-identical rows in any batch, order or call.
+    The same (seed, t) gives bit-identical rows in any batch, order or call. On MLX's CPU
+    backend it is `host_gumbel`'s, as the sampler's there (`verify_sampler.host_reference`),
+    so a drafter and the target see the same noise.
     """
+    if _on_cpu():
+        return mx.array(host_gumbel(seed_keys(seed), np.asarray(positions_u32(positions)),
+                                    vocab_size))
     return _gumbel(keys_array(seed), positions_u32(positions), columns(vocab_size))
 
 
 def gumbel_noise_at(seed: int, positions: Sequence[int] | mx.array, ids: mx.array) -> mx.array:
     """`gumbel_noise` at the vocabulary indices `ids` (n,) only: (N, n)."""
+    if _on_cpu():
+        return mx.array(host_gumbel(seed_keys(seed), np.asarray(positions_u32(positions)),
+                                    np.asarray(ids)))
     return _gumbel_at(keys_array(seed), positions_u32(positions), ids)
+
+
+def _on_cpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.cpu
+
+
+# --------------------------------------------------------------------------- on the host
+
+_scratch = threading.local()
+
+
+def scratch(name: str, shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """This thread's array `name` for the host sampler's work, uninitialized: a view of a
+    buffer kept between calls and grown as needed. Its pages fault in once: a fresh
+    3 MB array per op (16 rows of a 49,152-token vocabulary) cost ~1.5 ms of page faults,
+    more than the arithmetic on it. Valid until the next call for the same name on this
+    thread."""
+    buffers = getattr(_scratch, "buffers", None)
+    if buffers is None:
+        buffers = _scratch.buffers = {}
+    size = math.prod(shape)
+    nbytes = size * np.dtype(dtype).itemsize
+    buffer = buffers.get(name)
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = buffers[name] = np.empty(nbytes, np.uint8)
+    return buffer[:nbytes].view(dtype).reshape(shape)
+
+
+
+def _fmix32_in_place(h: np.ndarray, shifted: np.ndarray | None = None) -> np.ndarray:
+    """`fmix32` on a uint32 numpy array, overwriting it (wrapping multiplies); `shifted`,
+    an array of its shape, holds the shifts."""
+    t = np.empty_like(h) if shifted is None else shifted
+    for shift, factor in ((16, FMIX_1), (13, FMIX_2)):
+        np.right_shift(h, np.uint32(shift), out=t)
+        h ^= t
+        h *= np.uint32(factor)
+    np.right_shift(h, np.uint32(16), out=t)
+    h ^= t
+    return h
+
+
+@lru_cache(maxsize=4)
+def _column_steps(vocab_size: int) -> np.ndarray:
+    steps = np.arange(vocab_size, dtype=np.uint32)
+    steps *= np.uint32(VOCAB_STEP)
+    steps.setflags(write=False)
+    return steps
+
+
+def host_gumbel(keys: tuple[int, int], positions: np.ndarray,
+                vocab: int | np.ndarray) -> np.ndarray:
+    """`gumbel_from_bits(hash_bits(...))` in numpy: (N, V) float32 for `vocab` = V, or at
+    the vocabulary indices `vocab` (n,) only (`hash_bits_at`); the hash bit for bit,
+    the logs numpy's (vectorized, where MLX's CPU backend takes them one element at a time:
+    ~1.7 ms a 49,152-token row against ~0.15). numpy's and MLX's `log` may round an
+    element's last bit differently, so a row whose two best perturbed scores tie within
+    that may pick the other token, as the Metal kernel may; every sampler of a run on the
+    host takes this noise. A `scratch` array: read it before the next call."""
+    key_a, key_b = (np.uint32(k) for k in keys)
+    row = positions.astype(np.uint32).reshape(-1, 1)
+    row *= np.uint32(GOLDEN)
+    row += key_b
+    _fmix32_in_place(row)
+    row_key = _fmix32_in_place(row ^ np.uint32(ROW_SALT))
+    row_key += key_a
+    if isinstance(vocab, np.ndarray):
+        steps = vocab.astype(np.uint32)
+        steps *= np.uint32(VOCAB_STEP)
+    else:
+        steps = _column_steps(vocab)
+    h = scratch("noise.hash", (row.shape[0], steps.shape[0]), np.uint32)
+    np.add(row, steps, out=h)  # (N, V)
+    shifted = scratch("noise.shift", h.shape, np.uint32)
+    _fmix32_in_place(h, shifted)
+    h ^= row_key
+    _fmix32_in_place(h, shifted)
+    # u = (2k + 1) / 2^24 from the top 23 bits, as `gumbel_from_bits`; 1 - u is below 2^24,
+    # so it converts as an int32 (numpy converts uint32 without SIMD)
+    h >>= np.uint32(9)
+    h *= np.uint32(2)
+    h += np.uint32(1)
+    np.subtract(np.uint32(1 << 24), h, out=h)
+    g = scratch("noise.gumbel", h.shape, np.float32)
+    np.copyto(g, h.view(np.int32), casting="unsafe")
+    g *= np.float32(2.0**-24)
+    np.negative(g, out=g)
+    np.log1p(g, out=g)
+    np.negative(g, out=g)
+    np.log(g, out=g)
+    np.negative(g, out=g)
+    return g
