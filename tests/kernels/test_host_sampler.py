@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import verify_sampler
-from kernels.noise import keys_array, positions_u32, scratch
+from kernels.noise import SCRATCH_KEEP_BYTES, keys_array, positions_u32, scratch
 from kernels.verify_sampler import SamplerSpec
 
 
@@ -56,3 +56,7 @@ def test_scratch_is_kept_per_thread_and_grows() -> None:
     thread.start()
     thread.join()
     assert not np.shares_memory(other[0], scratch("test.a", (64, 64), np.float32))
+    # past the cap a buffer is not kept: a long-lived thread holds at most the cap a name
+    huge = (SCRATCH_KEEP_BYTES // 4 + 1,)
+    assert not np.shares_memory(scratch("test.c", huge, np.float32),
+                                scratch("test.c", huge, np.float32))
