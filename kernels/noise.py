@@ -151,7 +151,7 @@ def gumbel_noise(seed: int, positions: Sequence[int] | mx.array, vocab_size: int
     backend it is `host_gumbel`'s, as the sampler's there (`verify_sampler.host_reference`),
     so a drafter and the target see the same noise.
     """
-    if _on_cpu():
+    if cpu_backend():
         return mx.array(host_gumbel(seed_keys(seed), np.asarray(positions_u32(positions)),
                                     vocab_size))
     return _gumbel(keys_array(seed), positions_u32(positions), columns(vocab_size))
@@ -159,13 +159,14 @@ def gumbel_noise(seed: int, positions: Sequence[int] | mx.array, vocab_size: int
 
 def gumbel_noise_at(seed: int, positions: Sequence[int] | mx.array, ids: mx.array) -> mx.array:
     """`gumbel_noise` at the vocabulary indices `ids` (n,) only: (N, n)."""
-    if _on_cpu():
+    if cpu_backend():
         return mx.array(host_gumbel(seed_keys(seed), np.asarray(positions_u32(positions)),
                                     np.asarray(ids)))
     return _gumbel_at(keys_array(seed), positions_u32(positions), ids)
 
 
-def _on_cpu() -> bool:
+def cpu_backend() -> bool:
+    """Whether MLX runs on its CPU backend, where the host's numpy does this work faster."""
     return mx.default_device().type == mx.DeviceType.cpu
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from kernels.compile import compiled_on_main_thread
 from kernels.noise import (
     columns,
+    cpu_backend,
     gumbel_from_bits,
     hash_bits,
     host_gumbel,
@@ -136,14 +137,14 @@ def reference(scores: mx.array, keys: mx.array, positions: mx.array, draft: mx.a
 
 def on_host(spec: SamplerSpec) -> bool:
     """Whether rows are sampled by `host_reference`: with noise, on MLX's CPU backend."""
-    return not spec.greedy and mx.default_device().type == mx.DeviceType.cpu
+    return not spec.greedy and cpu_backend()
 
 
 def host_reference(scores: mx.array, keys: mx.array, positions: mx.array, draft: mx.array,
                    spec: SamplerSpec) -> SampledRows:
     """`reference` in numpy, for MLX's CPU backend, which takes `exp` and `log` one element
     at a time: a 49,152-token row at T > 0 took ~1.7 ms there, a 16-row verify pass's
-    sampling ~27 ms, as much as a third of the pass; here ~0.2 and ~3. The same tokens
+    sampling ~27 ms, as much as a third of the pass; here ~0.3 and ~3.7. The same tokens
     but where a row's two best perturbed scores tie within float rounding (`host_gumbel`),
     the probabilities to float32 rounding (the log-sum-exp is summed in numpy's order).
     Its big arrays are `kernels.noise.scratch`'s. Same contract as `reference`; the
