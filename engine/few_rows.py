@@ -16,6 +16,10 @@ first time, with the system C compiler, into the cache dir under a name that car
 source's digest: a changed kernel is a new library, and a new cost table
 (`engine.calibration.blas_in_use` lists it). Linux on x86-64 with AVX2 and FMA only;
 UNDERSTUDY_FEW_ROWS=0 turns it off.
+
+The same library carries a decoding step's attention (kernels/cpu/attention.c, called by
+`kernels.host_attention`), run on the same helper threads: where the library is not
+loaded, MLX's ops compute attention as before.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from engine.blas_core import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "few_rows_sgemm.c"
+# built into the same library: a step's attention (`kernels.host_attention`), on the same
+# helper threads
+ATTENTION_SOURCE = SOURCE.with_name("attention.c")
 ENV = "UNDERSTUDY_FEW_ROWS"
 CPU_FLAGS = frozenset({"avx2", "fma"})
 # no contraction of the scalar tail into FMAs: every instantiation of a tile then does the
@@ -60,7 +67,8 @@ def library_path(cache: Path | None = None) -> Path:
     """Where the library for this source and these flags is (or would be) built."""
     from engine.paths import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes()
+                            + " ".join(CFLAGS).encode()).hexdigest()[:16]
     return (cache if cache is not None else cache_dir() / "native") / \
         f"libunderstudyblas-{digest}.so"
 
@@ -98,7 +106,8 @@ def build(dest: Path | None = None) -> Path | None:
         return None
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE), *LIBS],
+        done = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE), str(ATTENTION_SOURCE),
+                               *LIBS],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode == 0:
             os.replace(tmp, dest)

@@ -36,6 +36,7 @@ from contextvars import ContextVar
 import mlx.core as mx
 import numpy as np
 
+from kernels import host_attention
 from kernels.compile import compiled_on_main_thread
 
 LOG2E = 1.4426950408889634
@@ -160,6 +161,10 @@ def cpu_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
     """q (B, heads, L, d), k/v (B, kv heads, S, d) -> (B, heads, L, d). `mask`: None,
     "causal" (row r sees keys up to S - L + r), a boolean mask (True = attend) or an additive
     one, broadcastable to (B, heads, L, S)."""
+    if on_host(q, 0):
+        fused = host_attention.run(q, k, v, scale, mask)
+        if fused is not None:
+            return fused
     B, H, L, d = q.shape
     n_kv, S = k.shape[1], k.shape[2]
     group = H // n_kv

@@ -19,7 +19,8 @@
  * 576 x 1536: 8 rows ~240 -> ~140 us, 16 ~330 -> ~230), as did 4-6 rows streamed.
  *
  * Threads: as many as OpenBLAS is set to (engine/blas_threads.py follows the machine's
- * load), splitting B's rows; the helpers spin briefly between products, then sleep.
+ * load), splitting B's rows; the helpers spin briefly between jobs, then sleep. The pool
+ * runs any job (understudy_parallel): attention.c's too, built into the same library.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -128,16 +129,21 @@ static void product_part(const Product *p, int n0, int n1) {
     }
 }
 
-/* ---- the helpers: one job at a time, handed over by a generation counter ---- */
+/* ---- the helpers: one job at a time, handed over by a generation counter. A job is a
+   function every thread calls with its part number (products here, attention in
+   attention.c through understudy_parallel) ---- */
+typedef void (*part_fn)(const void *job, int part, int parts);
+
 static struct {
-    pthread_mutex_t busy; /* one product in flight; another caller computes alone */
+    pthread_mutex_t busy; /* one job in flight; another caller computes alone */
     pthread_mutex_t mu;
     pthread_cond_t wake;
     atomic_uint generation;
     atomic_int pending;
     int started, parts;
     unsigned born[MAX_THREADS]; /* the generation each helper was started at */
-    Product job;
+    part_fn fn;
+    const void *job;
 } pool = {.busy = PTHREAD_MUTEX_INITIALIZER, .mu = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER};
 
@@ -167,26 +173,24 @@ static void *helper(void *arg) {
             pthread_mutex_unlock(&pool.mu);
         }
         seen = atomic_load(&pool.generation);
-        if (part < pool.parts) {
-            int n0, n1;
-            part_bounds(part, pool.parts, pool.job.N, &n0, &n1);
-            if (n0 < n1) product_part(&pool.job, n0, n1);
-        }
+        if (part < pool.parts) pool.fn(pool.job, part, pool.parts);
         atomic_fetch_sub(&pool.pending, 1); /* every helper, with a part or without */
     }
     return NULL;
 }
 
-static int wanted_threads(const Product *p) {
-    if ((long)p->M * p->N * p->K < MIN_SPLIT) return 1;
-    int t = blas_threads ? blas_threads() : 1;
-    return t < 1 ? 1 : t > MAX_THREADS ? MAX_THREADS : t;
-}
-
-static void run(const Product *p) {
-    int threads = wanted_threads(p);
+/* fn(job, part, parts) for every part, on as many threads as OpenBLAS is set to where
+   the job's `work` (multiply-adds) is worth splitting; parts = 1 where it is not, or
+   where another job is in flight */
+void understudy_parallel(part_fn fn, const void *job, long work) {
+    pthread_once(&once, resolve);
+    int threads = 1;
+    if (work >= MIN_SPLIT && blas_threads) {
+        threads = blas_threads();
+        threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    }
     if (threads == 1 || pthread_mutex_trylock(&pool.busy) != 0) {
-        product_part(p, 0, p->N);
+        fn(job, 0, 1);
         return;
     }
     while (pool.started < threads - 1) { /* helpers are started once, as first needed */
@@ -197,18 +201,24 @@ static void run(const Product *p) {
         pool.started++;
     }
     int parts = pool.started + 1 < threads ? pool.started + 1 : threads;
-    pool.job = *p;
+    pool.fn = fn;
+    pool.job = job;
     pool.parts = parts;
     atomic_store(&pool.pending, pool.started);
     pthread_mutex_lock(&pool.mu);
     atomic_fetch_add(&pool.generation, 1);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.mu);
-    int n0, n1;
-    part_bounds(0, parts, p->N, &n0, &n1);
-    if (n0 < n1) product_part(p, n0, n1);
+    fn(job, 0, parts);
     while (atomic_load(&pool.pending) > 0) _mm_pause();
     pthread_mutex_unlock(&pool.busy);
+}
+
+static void product_job(const void *job, int part, int parts) {
+    const Product *p = job;
+    int n0, n1;
+    part_bounds(part, parts, p->N, &n0, &n1);
+    if (n0 < n1) product_part(p, n0, n1);
 }
 
 void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha,
@@ -218,7 +228,7 @@ void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float
     if (order == ROW_MAJOR && trans_a == NO_TRANS && trans_b == TRANS && M >= 1 &&
         M <= MAX_ROWS && N >= 1 && K >= 1) {
         Product p = {M, N, K, lda, ldb, ldc, alpha, beta, A, B, C};
-        run(&p);
+        understudy_parallel(product_job, &p, (long)M * N * K);
         return;
     }
     if (next_sgemm) next_sgemm(order, trans_a, trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);

@@ -1,0 +1,100 @@
+"""A decoding step's attention on the CPU backend in one native call (kernels/cpu/attention.c).
+
+Why: MLX's CPU backend computes a step's attention as two small batched products with a
+softmax between them, and on a handful of query rows against a few hundred keys its time
+goes to the calls around the arithmetic: ~6 ms of a 31 ms 1-token pass of the demo at 400
+cached tokens, 22-36 ms of a 13-16 row verify pass, far more than the arithmetic needs.
+The kernel is built into the library `engine.few_rows` preloads, so it is here exactly
+where that library is; elsewhere (another OS, no compiler, UNDERSTUDY_FEW_ROWS=0) `run`
+answers None and MLX's ops serve, as before.
+
+Only inference passes of up to `MAX_ROWS` query rows come here: a prompt's long chunks are
+products BLAS does well, and training needs MLX's ops for the gradient.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import mlx.core as mx
+import numpy as np
+
+MAX_ROWS = 64  # query positions per pass: a verify pass's, not a prompt chunk's
+MAX_DIM = 512  # the kernel's largest head dimension (a multiple of 8)
+
+
+class _Attention(ctypes.Structure):
+    """The kernel's argument (attention.c's `Attention`); strides in floats."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("q_head", ctypes.c_long), ("q_row", ctypes.c_long),
+        ("k", ctypes.c_void_p), ("k_head", ctypes.c_long), ("k_row", ctypes.c_long),
+        ("v", ctypes.c_void_p), ("v_head", ctypes.c_long), ("v_row", ctypes.c_long),
+        ("out", ctypes.c_void_p), ("out_head", ctypes.c_long), ("out_row", ctypes.c_long),
+        ("mask", ctypes.c_void_p), ("mask_row", ctypes.c_long),
+        ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("rows", ctypes.c_int),
+        ("keys", ctypes.c_int), ("dim", ctypes.c_int), ("scale", ctypes.c_float),
+    ]
+
+
+@functools.cache
+def kernel() -> ctypes._CFuncPtr | None:
+    """The preloaded library's `understudy_attention`, or None where it is not loaded."""
+    try:
+        fn = ctypes.CDLL(None).understudy_attention
+    except (AttributeError, OSError):
+        return None
+    fn.argtypes = [ctypes.POINTER(_Attention)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _rows(a: np.ndarray) -> np.ndarray:
+    """`a` (1, heads, n, d) with its last axis contiguous (copied only where it is not)."""
+    return a if a.strides[-1] == 4 else np.ascontiguousarray(a)
+
+
+def _mask_bytes(mask: mx.array | str | None, rows: int, keys: int) -> np.ndarray | None | bool:
+    """The mask as (rows, keys) bytes, None for causal, False where the kernel cannot take
+    it (an additive mask, one that differs per head, none at all over several rows)."""
+    if isinstance(mask, str):
+        return None if mask == "causal" else False
+    if mask is None:
+        return None if rows == 1 else False
+    if mask.dtype != mx.bool_ or mask.size != rows * keys:
+        return False
+    return np.ascontiguousarray(np.asarray(mask).reshape(rows, keys)).view(np.uint8)
+
+
+def run(q: mx.array, k: mx.array, v: mx.array, scale: float,
+        mask: mx.array | str | None) -> mx.array | None:
+    """softmax(q k^T * scale) v for q (1, heads, L, d), k/v (1, kv heads, S, d), as
+    `models.attention.cpu_attention` defines it; None where the kernel does not apply
+    (the caller computes it with MLX). Evaluates its inputs."""
+    fn = kernel()
+    B, H, L, d = q.shape
+    n_kv, S = k.shape[1], k.shape[2]
+    if (fn is None or B != 1 or L > MAX_ROWS or d % 8 or d > MAX_DIM or v.shape[-1] != d
+            or H % n_kv or S < L
+            or not q.dtype == k.dtype == v.dtype == mx.float32):
+        return None
+    m = _mask_bytes(mask, L, S)
+    if m is False:
+        return None
+    mx.eval(q, k, v)  # one wait for the layer's work so far, not one per array
+    qn, kn, vn = _rows(np.asarray(q)), _rows(np.asarray(k)), _rows(np.asarray(v))
+    out = np.empty((1, H, L, d), np.float32)
+    args = _Attention(
+        qn.ctypes.data, qn.strides[1] // 4, qn.strides[2] // 4,
+        kn.ctypes.data, kn.strides[1] // 4, kn.strides[2] // 4,
+        vn.ctypes.data, vn.strides[1] // 4, vn.strides[2] // 4,
+        out.ctypes.data, L * d, d,
+        None if m is None else m.ctypes.data, S,
+        H, n_kv, L, S, d, scale)
+    status = fn(ctypes.byref(args))
+    if status == 2:
+        raise MemoryError(f"attention over {S} keys: out of memory for its scores")
+    if status != 0:
+        return None
+    return mx.array(out)
