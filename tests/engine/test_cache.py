@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from engine import cache as cache_module
 from engine.cache import (
     KVCache,
     PreallocatedKVCache,
@@ -87,6 +88,25 @@ def test_compact_keeps_the_chosen_rows_in_order() -> None:
     assert c.offset == 5
     k, v = c.update_and_fetch(rows(9, 1), rows(109, 1))
     assert row_ids(k) == [0, 1, 3, 5, 6, 9] and row_ids(v) == [100, 101, 103, 105, 106, 109]
+
+
+def test_compact_on_the_cpu_moves_rows_in_the_buffer_itself(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU backend the path's rows move through numpy, in the buffer MLX holds (no
+    copy of the whole buffer); elsewhere through MLX's gather. Same rows either way."""
+    results = []
+    for host in (True, False):
+        monkeypatch.setattr(cache_module, "cpu_backend", lambda host=host: host)
+        c = PreallocatedKVCache(chunk=8)
+        c.update_and_fetch(rows(0, 2), rows(100, 2))
+        c.update_and_fetch(rows(2, 5), rows(102, 5))
+        mx.eval(c.keys, c.values)
+        before = np.asarray(c.keys).__array_interface__["data"][0]
+        c.compact(2, [1, 3, 4])
+        if host:  # (MLX's own write may or may not copy)
+            assert np.asarray(c.keys).__array_interface__["data"][0] == before
+        results.append((row_ids(c.keys[..., :5, :]), row_ids(c.values[..., :5, :])))
+    assert results[0] == results[1] == ([0, 1, 3, 5, 6], [100, 101, 103, 105, 106])
 
 
 def test_compact_with_nothing_kept_trims_to_start() -> None:
