@@ -301,3 +301,30 @@ def test_a_step_that_traced_a_compiled_function_leaves_the_costs_alone(
     assert timed_widths(lambda: next(calls)) == set()  # every step traced: nothing timed
     # negative control: no step traced, so the same reply times its passes
     assert timed_widths(lambda: 0)
+
+
+def test_a_burst_of_load_slows_one_round_of_every_width_not_one_width() -> None:
+    """Widths are timed in turns: a burst spanning four consecutive passes leaves every
+    median at the quiet cost. Negative control: timed one width after another, the same
+    burst lands on one width and prices it far above the others."""
+    import time
+
+    from engine import calibration
+
+    def timed(interleave: bool) -> dict[int, float]:
+        calls = {"n": 0}
+
+        def pass_of(width: int):
+            def run() -> None:
+                calls["n"] += 1
+                slow = 3 <= calls["n"] <= 6  # four calls in a row
+                time.sleep(0.03 if slow else 0.001)
+            return run
+
+        fns = {w: pass_of(w) for w in (1, 2, 3)}
+        if interleave:
+            return calibration._time_interleaved(fns, reps=5)
+        return {w: calibration._time(fn, reps=5) for w, fn in fns.items()}
+
+    assert max(timed(interleave=True).values()) < 0.015
+    assert max(timed(interleave=False).values()) > 0.025
