@@ -24,7 +24,7 @@ from engine.blas_core import ENV, better_core, corename, cpu_flags, threads_api
 from engine.few_rows import unsupported
 from engine.loading import default_backend
 from engine.paths import app_data_dir
-from kernels import dispatch, selftest
+from kernels import dispatch, host_attention, selftest
 from kernels.selftest import KernelVerdict
 
 VERDICTS_FILE = "kernel_verdicts.json"
@@ -126,9 +126,13 @@ def _few_rows_said(libs: list[str]) -> tuple[str, ...]:
     """Whether our few-row product (`engine.few_rows`) serves a decoding step's matmuls."""
     ours = [p for p in libs if "libunderstudyblas" in p]
     if ours:
-        return (f"products of 1-64 rows: Understudy's own ({ours[0]})",)
+        attention = ("Understudy's own (the same library)" if host_attention.kernel()
+                     else "MLX's ops (the library lacks it)")
+        return (f"products of 1-64 rows: Understudy's own ({ours[0]})",
+                f"attention of 1-64 query rows: {attention}")
     reason = unsupported() or "not preloaded: start with `understudy`"
-    return (f"products of 1-64 rows: OpenBLAS's ({reason})",)
+    return (f"products of 1-64 rows: OpenBLAS's ({reason})",
+            "attention of 1-64 query rows: MLX's ops (the library is not loaded)")
 
 
 def _threads_said() -> tuple[str, ...]:

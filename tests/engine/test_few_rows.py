@@ -219,3 +219,18 @@ def test_the_helper_threads_follow_the_thread_count_and_survive_a_fork(library: 
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_doctor_says_who_serves_products_and_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine import doctor
+    from kernels import host_attention
+
+    monkeypatch.setattr(host_attention, "kernel", lambda: object())
+    said = doctor._few_rows_said(["/c/native/libunderstudyblas-abc.so"])
+    assert said == ("products of 1-64 rows: Understudy's own (/c/native/libunderstudyblas-abc.so)",
+                    "attention of 1-64 query rows: Understudy's own (the same library)")
+    monkeypatch.setattr(host_attention, "kernel", lambda: None)
+    assert doctor._few_rows_said(["/c/native/libunderstudyblas-abc.so"])[1] == \
+        "attention of 1-64 query rows: MLX's ops (the library lacks it)"
+    assert doctor._few_rows_said([])[1] == \
+        "attention of 1-64 query rows: MLX's ops (the library is not loaded)"
