@@ -19,6 +19,7 @@
  * Threads: the rows are split across the helpers of few_rows_sgemm.c (understudy_parallel).
  */
 #include <immintrin.h>
+#include <pthread.h>
 #include <stdlib.h>
 
 typedef void (*part_fn)(const void *job, int part, int parts);
@@ -51,9 +52,25 @@ static __thread long t_capacity;
 
 #define GROUP 3 /* query rows (heads of one kv head, at one position) that share each key's loads */
 
+/* a thread's buffers are freed when it exits (an engine or job thread may come and go) */
+static pthread_key_t buffers_key;
+static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
+
+static void free_buffers(void *unused) {
+    (void)unused;
+    free(t_scores);
+    free(t_index);
+    t_scores = NULL;
+    t_index = NULL;
+    t_capacity = 0;
+}
+
+static void make_buffers_key(void) { pthread_key_create(&buffers_key, free_buffers); }
+
 static int reserve(long keys) {
     long want = (keys + 8) & ~7L;
     if (want <= t_capacity) return 1;
+    pthread_once(&buffers_once, make_buffers_key);
     float *s = realloc(t_scores, (size_t)want * GROUP * sizeof(float));
     if (!s) return 0;
     t_scores = s;
@@ -61,6 +78,7 @@ static int reserve(long keys) {
     if (!i) return 0;
     t_index = i;
     t_capacity = want;
+    pthread_setspecific(buffers_key, (void *)1); /* any non-NULL value: run the destructor */
     return 1;
 }
 

@@ -145,3 +145,25 @@ def test_shapes_it_does_not_take_are_left_to_mlx() -> None:
     assert host_attention.run(long_q, lk, lv, 0.125, "causal") is None  # a prompt's chunk
     assert host_attention.run(q, k, v, 0.125, None) is None  # several rows, no mask
     assert host_attention.run(q, k, v, 0.125, "causal") is not None
+
+
+def test_short_lived_threads_get_their_own_buffers_and_the_same_rows() -> None:
+    """Each thread grows its own scratch (freed as it exits): threads that come and go,
+    over more keys each time, compute what the main thread does."""
+    import threading
+
+    q, k, v, _, _ = _qkv(9, 9, 3, 5, 3000, 64)
+    want = np.array(host_attention.run(q, k, v, 0.125, "causal"))
+    got: list[np.ndarray] = []
+
+    def work(keys: int) -> None:
+        out = host_attention.run(q, k[..., :keys, :], v[..., :keys, :], 0.125, "causal")
+        got.append(np.array(out))
+
+    for keys in (100, 3000, 700, 3000):
+        t = threading.Thread(target=work, args=(keys,))
+        t.start()
+        t.join()
+    assert len(got) == 4
+    assert np.array_equal(got[1], want) and np.array_equal(got[3], want)
+    assert not np.array_equal(got[0], want)
