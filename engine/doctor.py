@@ -129,10 +129,10 @@ def _few_rows_said(libs: list[str]) -> tuple[str, ...]:
         attention = ("Understudy's own (the same library)" if host_attention.kernel()
                      else "MLX's ops (the library lacks it)")
         return (f"products of 1-64 rows: Understudy's own ({ours[0]})",
-                f"attention of 1-64 query rows: {attention}")
+                f"attention of inference passes: {attention}")
     reason = unsupported() or "not preloaded: start with `understudy`"
     return (f"products of 1-64 rows: OpenBLAS's ({reason})",
-            "attention of 1-64 query rows: MLX's ops (the library is not loaded)")
+            "attention of inference passes: MLX's ops (the library is not loaded)")
 
 
 def _threads_said() -> tuple[str, ...]:

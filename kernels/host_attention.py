@@ -8,8 +8,10 @@ The kernel is built into the library `engine.few_rows` preloads, so it is here e
 where that library is; elsewhere (another OS, no compiler, UNDERSTUDY_FEW_ROWS=0) `run`
 answers None and MLX's ops serve, as before.
 
-Only inference passes of up to `MAX_ROWS` query rows come here: a prompt's long chunks are
-products BLAS does well, and training needs MLX's ops for the gradient.
+Every inference pass comes here, prompt chunks too (their causal rows skip the keys they
+cannot see, where MLX's products compute every score: the demo read 1,000-token prompts
+at ~580 tok/s, ~450 with MLX's attention for chunks over 64 rows); training keeps MLX's ops
+for the gradient.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import functools
 import mlx.core as mx
 import numpy as np
 
-MAX_ROWS = 64  # query positions per pass: a verify pass's, not a prompt chunk's
+MAX_ROWS = 1024  # query positions per call (the CPU's prompt chunks are at most 256)
 MAX_DIM = 512  # the kernel's largest head dimension (a multiple of 8)
 
 

@@ -182,8 +182,10 @@ def test_an_inference_pass_takes_its_softmax_on_the_host_with_the_same_numbers(
 @pytest.mark.slow
 def test_the_demo_reads_a_long_prompt_on_the_host_softmax_to_the_same_logits(
         demo_model_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 1,600-token prompt through `steps.prefill`: every chunk past the first few
-    hundred keys takes the host softmax. Its last logits are MLX's to float32 noise."""
+    """A 1,600-token prompt through `steps.prefill`: with the fused kernel (where the
+    native library is loaded) every chunk's attention is one call; without it every chunk
+    past the first few hundred keys takes the host softmax. Either way its last logits
+    are MLX's to float32 noise."""
     from pathlib import Path
 
     from engine import steps
@@ -200,6 +202,8 @@ def test_the_demo_reads_a_long_prompt_on_the_host_softmax_to_the_same_logits(
         chunks = list(prefill(loaded.model, prompt, make_caches(loaded.model.n_layers)))
         return np.array(chunks[-1][1])
 
+    fused = read(ids) if host_attention.kernel() is not None else None
+    monkeypatch.setattr(host_attention, "kernel", lambda: None)
     calls: list[int] = []
     real = attn_module.host_softmax
     monkeypatch.setattr(attn_module, "host_softmax",
@@ -213,5 +217,8 @@ def test_the_demo_reads_a_long_prompt_on_the_host_softmax_to_the_same_logits(
     assert calls == []  # negative control: outside `inference_pass`, MLX's softmax
     assert np.abs(host - mlx_only).max() < 1e-3
     assert host.argmax() == mlx_only.argmax()
+    if fused is not None:
+        assert np.abs(fused - mlx_only).max() < 1e-3
+        assert fused.argmax() == mlx_only.argmax()
     # negative control: the bound tells prompts apart (one token less moves the logits)
     assert np.abs(read(ids[:-1]) - mlx_only).max() > 1e-2

@@ -228,9 +228,9 @@ def test_doctor_says_who_serves_products_and_attention(monkeypatch: pytest.Monke
     monkeypatch.setattr(host_attention, "kernel", lambda: object())
     said = doctor._few_rows_said(["/c/native/libunderstudyblas-abc.so"])
     assert said == ("products of 1-64 rows: Understudy's own (/c/native/libunderstudyblas-abc.so)",
-                    "attention of 1-64 query rows: Understudy's own (the same library)")
+                    "attention of inference passes: Understudy's own (the same library)")
     monkeypatch.setattr(host_attention, "kernel", lambda: None)
     assert doctor._few_rows_said(["/c/native/libunderstudyblas-abc.so"])[1] == \
-        "attention of 1-64 query rows: MLX's ops (the library lacks it)"
+        "attention of inference passes: MLX's ops (the library lacks it)"
     assert doctor._few_rows_said([])[1] == \
-        "attention of 1-64 query rows: MLX's ops (the library is not loaded)"
+        "attention of inference passes: MLX's ops (the library is not loaded)"

@@ -53,7 +53,7 @@ def test_the_library_preloaded_by_the_launcher_carries_the_kernel() -> None:
 
 @pytest.mark.parametrize(("heads", "kv_heads", "rows", "keys", "dim"), [
     (9, 3, 1, 300, 64), (9, 3, 13, 700, 64), (8, 8, 5, 37, 128), (4, 2, 3, 9, 256),
-    (6, 2, 7, 50, 80), (16, 4, 64, 130, 64), (3, 1, 2, 2, 8)])
+    (6, 2, 7, 50, 80), (16, 4, 64, 130, 64), (3, 1, 2, 2, 8), (9, 3, 256, 600, 64)])
 def test_matches_mlx_for_causal_tree_and_window_masks(heads: int, kv_heads: int, rows: int,
                                                       keys: int, dim: int) -> None:
     q, k, v, _, _ = _qkv(rows * keys + dim, heads, kv_heads, rows, keys, dim)
@@ -141,8 +141,10 @@ def test_shapes_it_does_not_take_are_left_to_mlx() -> None:
     assert host_attention.run(mx.concatenate([q, q]), mx.concatenate([k, k]),
                               mx.concatenate([v, v]), 0.125, "causal") is None  # batch 2
     assert host_attention.run(q[..., :60], k[..., :60], v[..., :60], 0.125, "causal") is None
-    long_q, lk, lv, _, _ = _qkv(2, 4, 2, host_attention.MAX_ROWS + 1, 80, 64)
-    assert host_attention.run(long_q, lk, lv, 0.125, "causal") is None  # a prompt's chunk
+    rows = host_attention.MAX_ROWS
+    long_q, lk, lv, _, _ = _qkv(2, 4, 2, rows + 1, rows + 8, 8)
+    assert host_attention.run(long_q, lk, lv, 0.125, "causal") is None
+    assert host_attention.run(long_q[:, :, 1:], lk, lv, 0.125, "causal") is not None
     assert host_attention.run(q, k, v, 0.125, None) is None  # several rows, no mask
     assert host_attention.run(q, k, v, 0.125, "causal") is not None
 
