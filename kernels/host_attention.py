@@ -1,7 +1,7 @@
-"""A decoding step's attention on the CPU backend in one native call (kernels/cpu/attention.c).
+"""An inference pass's attention on the CPU backend in one native call (kernels/cpu/attention.c).
 
-Why: MLX's CPU backend computes a step's attention as two small batched products with a
-softmax between them, and on a handful of query rows against a few hundred keys its time
+Why: MLX's CPU backend computes attention as two batched products with a softmax between
+them, and on a handful of query rows against a few hundred keys its time
 goes to the calls around the arithmetic: ~6 ms of a 31 ms 1-token pass of the demo at 400
 cached tokens, 22-36 ms of a 13-16 row verify pass, far more than the arithmetic needs.
 The kernel is built into the library `engine.few_rows` preloads, so it is here exactly
