@@ -30,13 +30,18 @@ class _Attention(ctypes.Structure):
     """The kernel's argument (attention.c's `Attention`); strides in floats."""
 
     _fields_ = [
-        ("q", ctypes.c_void_p), ("q_head", ctypes.c_long), ("q_row", ctypes.c_long),
-        ("k", ctypes.c_void_p), ("k_head", ctypes.c_long), ("k_row", ctypes.c_long),
-        ("v", ctypes.c_void_p), ("v_head", ctypes.c_long), ("v_row", ctypes.c_long),
-        ("out", ctypes.c_void_p), ("out_head", ctypes.c_long), ("out_row", ctypes.c_long),
-        ("mask", ctypes.c_void_p), ("mask_row", ctypes.c_long),
-        ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("rows", ctypes.c_int),
-        ("keys", ctypes.c_int), ("dim", ctypes.c_int), ("scale", ctypes.c_float),
+        ("q", ctypes.c_void_p), ("q_batch", ctypes.c_long), ("q_head", ctypes.c_long),
+        ("q_row", ctypes.c_long),
+        ("k", ctypes.c_void_p), ("k_batch", ctypes.c_long), ("k_head", ctypes.c_long),
+        ("k_row", ctypes.c_long),
+        ("v", ctypes.c_void_p), ("v_batch", ctypes.c_long), ("v_head", ctypes.c_long),
+        ("v_row", ctypes.c_long),
+        ("out", ctypes.c_void_p), ("out_batch", ctypes.c_long), ("out_head", ctypes.c_long),
+        ("out_row", ctypes.c_long),
+        ("mask", ctypes.c_void_p), ("mask_batch", ctypes.c_long), ("mask_row", ctypes.c_long),
+        ("batch", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+        ("rows", ctypes.c_int), ("keys", ctypes.c_int), ("dim", ctypes.c_int),
+        ("scale", ctypes.c_float),
     ]
 
 
@@ -53,47 +58,56 @@ def kernel() -> ctypes._CFuncPtr | None:
 
 
 def _rows(a: np.ndarray) -> np.ndarray:
-    """`a` (1, heads, n, d) with its last axis contiguous (copied only where it is not)."""
+    """`a` (batch, heads, n, d) with its last axis contiguous (copied only where it is not)."""
     return a if a.strides[-1] == 4 else np.ascontiguousarray(a)
 
 
-def _mask_bytes(mask: mx.array | str | None, rows: int, keys: int) -> np.ndarray | None | bool:
-    """The mask as (rows, keys) bytes, None for causal, False where the kernel cannot take
-    it (an additive mask, one that differs per head, none at all over several rows)."""
+def _mask_bytes(mask: mx.array | str | None, batch: int, rows: int,
+                keys: int) -> tuple[np.ndarray | None, int] | None:
+    """The mask as (1 or batch, rows, keys) bytes and its batch stride (0: one mask for
+    every sequence); (None, 0) for causal; None where the kernel cannot take it (an
+    additive mask, one that differs per head, none at all over several rows)."""
     if isinstance(mask, str):
-        return None if mask == "causal" else False
+        return (None, 0) if mask == "causal" else None
     if mask is None:
-        return None if rows == 1 else False
-    if mask.dtype != mx.bool_ or mask.size != rows * keys:
-        return False
-    return np.ascontiguousarray(np.asarray(mask).reshape(rows, keys)).view(np.uint8)
+        return (None, 0) if rows == 1 else None
+    shape = mask.shape
+    if mask.dtype != mx.bool_ or mask.ndim < 2 or shape[-2:] != (rows, keys):
+        return None
+    lead = (1,) * (4 - mask.ndim) + tuple(shape[:-2])  # (batch, heads), as broadcast
+    if lead[1] != 1 or lead[0] not in (1, batch):
+        return None
+    n = lead[0]
+    m = np.ascontiguousarray(np.asarray(mask).reshape(n, rows, keys)).view(np.uint8)
+    return m, (rows * keys if n > 1 else 0)
 
 
 def run(q: mx.array, k: mx.array, v: mx.array, scale: float,
         mask: mx.array | str | None) -> mx.array | None:
-    """softmax(q k^T * scale) v for q (1, heads, L, d), k/v (1, kv heads, S, d), as
+    """softmax(q k^T * scale) v for q (B, heads, L, d), k/v (B, kv heads, S, d), as
     `models.attention.cpu_attention` defines it; None where the kernel does not apply
     (the caller computes it with MLX). Evaluates its inputs."""
     fn = kernel()
     B, H, L, d = q.shape
     n_kv, S = k.shape[1], k.shape[2]
-    if (fn is None or B != 1 or L > MAX_ROWS or d % 8 or d > MAX_DIM or v.shape[-1] != d
-            or H % n_kv or S < L
+    if (fn is None or L > MAX_ROWS or d % 8 or d > MAX_DIM or v.shape[-1] != d
+            or k.shape[0] != B or v.shape[0] != B or H % n_kv or S < L
             or not q.dtype == k.dtype == v.dtype == mx.float32):
         return None
-    m = _mask_bytes(mask, L, S)
-    if m is False:
+    masked = _mask_bytes(mask, B, L, S)
+    if masked is None:
         return None
+    m, m_batch = masked
     mx.eval(q, k, v)  # one wait for the layer's work so far, not one per array
     qn, kn, vn = _rows(np.asarray(q)), _rows(np.asarray(k)), _rows(np.asarray(v))
-    out = np.empty((1, H, L, d), np.float32)
+    out = np.empty((B, H, L, d), np.float32)
     args = _Attention(
-        qn.ctypes.data, qn.strides[1] // 4, qn.strides[2] // 4,
-        kn.ctypes.data, kn.strides[1] // 4, kn.strides[2] // 4,
-        vn.ctypes.data, vn.strides[1] // 4, vn.strides[2] // 4,
-        out.ctypes.data, L * d, d,
-        None if m is None else m.ctypes.data, S,
-        H, n_kv, L, S, d, scale)
+        qn.ctypes.data, *(x // 4 for x in qn.strides[:3]),
+        kn.ctypes.data, *(x // 4 for x in kn.strides[:3]),
+        vn.ctypes.data, *(x // 4 for x in vn.strides[:3]),
+        out.ctypes.data, H * L * d, L * d, d,
+        None if m is None else m.ctypes.data, m_batch, S,
+        B, H, n_kv, L, S, d, scale)
     status = fn(ctypes.byref(args))
     if status == 2:
         raise MemoryError(f"attention over {S} keys: out of memory for its scores")

@@ -32,16 +32,16 @@ void understudy_parallel(part_fn fn, const void *job, long work);
  * (L, S) bytes, nonzero = attend; none = causal (row l sees keys up to S - L + l). */
 typedef struct {
     const float *q;
-    long q_head, q_row;
+    long q_batch, q_head, q_row;
     const float *k;
-    long k_head, k_row;
+    long k_batch, k_head, k_row;
     const float *v;
-    long v_head, v_row;
+    long v_batch, v_head, v_row;
     float *out;
-    long out_head, out_row;
+    long out_batch, out_head, out_row;
     const unsigned char *mask;
-    long mask_row;
-    int heads, kv_heads, rows, keys, dim;
+    long mask_batch, mask_row; /* mask_batch 0: one mask for every sequence */
+    int batch, heads, kv_heads, rows, keys, dim;
     float scale;
 } Attention;
 
@@ -182,11 +182,12 @@ static float weigh(float *scores, int n) {
     return 1.0f / _mm_cvtss_f32(sums4(total, z, z, z));
 }
 
-/* rows of heads h0..h0+R-1 (one kv head's) at query position l */
-static void attend(const Attention *a, int h0, int R, int l) {
+/* rows of heads h0..h0+R-1 (one kv head's) at query position l of sequence bi */
+static void attend(const Attention *a, int bi, int h0, int R, int l) {
     const int d = a->dim, S = a->keys;
     const int kvh = h0 / (a->heads / a->kv_heads);
-    const float *K = a->k + kvh * a->k_head, *V = a->v + kvh * a->v_head;
+    const float *K = a->k + bi * a->k_batch + kvh * a->k_head;
+    const float *V = a->v + bi * a->v_batch + kvh * a->v_head;
     const long stride = t_capacity;
     float *scores = t_scores;
     int *index = t_index;
@@ -197,12 +198,13 @@ static void attend(const Attention *a, int h0, int R, int l) {
         n = S - a->rows + l + 1;
         for (int j = 0; j < n; j++) index[j] = j;
     } else {
-        const unsigned char *m = a->mask + l * a->mask_row;
+        const unsigned char *m = a->mask + bi * a->mask_batch + l * a->mask_row;
         for (int j = 0; j < S; j++)
             if (m[j]) index[n++] = j;
     }
     float *out[GROUP];
-    for (int r = 0; r < R; r++) out[r] = a->out + (h0 + r) * a->out_head + l * a->out_row;
+    for (int r = 0; r < R; r++)
+        out[r] = a->out + bi * a->out_batch + (h0 + r) * a->out_head + l * a->out_row;
     if (n <= 0) {
         for (int r = 0; r < R; r++)
             for (int c = 0; c < d; c++) out[r][c] = 0.0f;
@@ -211,7 +213,7 @@ static void attend(const Attention *a, int h0, int R, int l) {
 
     float qs[GROUP * MAX_DIM];
     for (int r = 0; r < R; r++) {
-        const float *q = a->q + (h0 + r) * a->q_head + l * a->q_row;
+        const float *q = a->q + bi * a->q_batch + (h0 + r) * a->q_head + l * a->q_row;
         for (int c = 0; c < d; c++) qs[r * d + c] = q[c] * a->scale;
     }
 
@@ -254,7 +256,8 @@ typedef struct {
     volatile int failed;
 } Job;
 
-/* tasks: (kv head, position, block of up to GROUP of its heads), split evenly by count */
+/* tasks: (sequence, kv head, position, block of up to GROUP of its heads), split evenly by
+   count */
 static void attention_part(const void *arg, int part, int parts) {
     Job *job = (Job *)arg;
     const Attention *a = job->a;
@@ -263,23 +266,25 @@ static void attention_part(const void *arg, int part, int parts) {
         return;
     }
     const int group = a->heads / a->kv_heads, blocks = (group + GROUP - 1) / GROUP;
-    const int total = a->kv_heads * a->rows * blocks;
-    const int per = (total + parts - 1) / parts;
-    const int t1 = (part + 1) * per < total ? (part + 1) * per : total;
-    for (int t = part * per; t < t1; t++) {
-        const int block = t % blocks, l = (t / blocks) % a->rows, kvh = t / blocks / a->rows;
+    const long total = (long)a->batch * a->kv_heads * a->rows * blocks;
+    const long per = (total + parts - 1) / parts;
+    const long t1 = (part + 1) * per < total ? (part + 1) * per : total;
+    for (long t = part * per; t < t1; t++) {
+        const int block = t % blocks, l = (t / blocks) % a->rows;
+        const int kvh = (t / blocks / a->rows) % a->kv_heads;
+        const int bi = t / blocks / a->rows / a->kv_heads;
         const int g0 = block * GROUP, R = group - g0 < GROUP ? group - g0 : GROUP;
-        attend(a, kvh * group + g0, R, l);
+        attend(a, bi, kvh * group + g0, R, l);
     }
 }
 
 /* 0 done, 1 a shape this kernel does not take, 2 out of memory */
 int understudy_attention(const Attention *a) {
-    if (a->dim <= 0 || a->dim % 8 || a->dim > MAX_DIM || a->kv_heads <= 0 ||
+    if (a->batch <= 0 || a->dim <= 0 || a->dim % 8 || a->dim > MAX_DIM || a->kv_heads <= 0 ||
         a->heads % a->kv_heads || a->rows <= 0 || a->keys < a->rows)
         return 1;
     Job job = {a, 0};
-    const long work = 2L * a->heads * a->rows * a->keys * a->dim;
+    const long work = 2L * a->batch * a->heads * a->rows * a->keys * a->dim;
     understudy_parallel(attention_part, &job, work >= SPLIT_WORK ? work : 0);
     return job.failed ? 2 : 0;
 }

@@ -138,8 +138,8 @@ def test_shapes_it_does_not_take_are_left_to_mlx() -> None:
     assert host_attention.run(q, k, v, 0.125, mx.zeros((3, 20))) is None  # additive mask
     assert host_attention.run(q.astype(mx.bfloat16), k.astype(mx.bfloat16),
                               v.astype(mx.bfloat16), 0.125, "causal") is None
-    assert host_attention.run(mx.concatenate([q, q]), mx.concatenate([k, k]),
-                              mx.concatenate([v, v]), 0.125, "causal") is None  # batch 2
+    per_head = mx.array(np.ones((1, 4, 3, 20), bool))
+    assert host_attention.run(q, k, v, 0.125, per_head) is None  # one mask per head
     assert host_attention.run(q[..., :60], k[..., :60], v[..., :60], 0.125, "causal") is None
     rows = host_attention.MAX_ROWS
     long_q, lk, lv, _, _ = _qkv(2, 4, 2, rows + 1, rows + 8, 8)
@@ -169,3 +169,27 @@ def test_short_lived_threads_get_their_own_buffers_and_the_same_rows() -> None:
     assert len(got) == 4
     assert np.array_equal(got[1], want) and np.array_equal(got[3], want)
     assert not np.array_equal(got[0], want)
+
+
+def test_a_batch_with_a_mask_per_sequence_matches_mlx_and_each_sequence_alone() -> None:
+    """Batched generation (a head's training data): left-padded sequences side by side,
+    each with its own mask, as `training.data.read_positions` builds them."""
+    B, rows, keys = 3, 4, 90
+    rng = np.random.default_rng(4)
+    q = mx.array(rng.standard_normal((B, 9, rows, 64)).astype(np.float32))
+    k = mx.array(rng.standard_normal((B, 3, keys, 64)).astype(np.float32))
+    v = mx.array(rng.standard_normal((B, 3, keys, 64)).astype(np.float32))
+    pads = (0, 7, 30)
+    causal = np.tril(np.ones((rows, keys), bool), keys - rows)
+    mask = np.stack([causal & (np.arange(keys) >= p)[None] for p in pads])[:, None]
+    got = host_attention.run(q, k, v, 0.125, mx.array(mask))
+    assert got is not None
+    want = cpu_attention(q, k, v, 0.125, mx.array(mask))  # outside a pass: MLX's ops
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=0, atol=2e-6)
+    for b in range(B):
+        alone = host_attention.run(q[b : b + 1], k[b : b + 1], v[b : b + 1], 0.125,
+                                   mx.array(mask[b : b + 1]))
+        assert np.array_equal(np.array(got)[b], np.array(alone)[0]), f"sequence {b}"
+    shared = host_attention.run(q, k, v, 0.125, mx.array(causal))  # one mask for all
+    np.testing.assert_allclose(np.array(shared),
+                               np.array(cpu_attention(q, k, v, 0.125, "causal")), atol=2e-6)
