@@ -282,10 +282,18 @@ def test_sync_cache_reuses_the_shared_prefix(tiny: Model) -> None:
     assert cached == [1, 2] and logits is None and cache_length(caches) == 2
 
 
-def test_a_long_catch_up_is_fed_in_a_prompts_chunks(tiny: Model) -> None:
+def test_a_long_catch_up_is_fed_in_a_prompts_chunks(tiny: Model,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A draft model catching up on a long prompt feeds it in the chunks prompt reading
-    uses (one pass over it all held every attention score at once), to the same cache."""
+    uses (one pass over it all held every attention score at once), to the same cache.
+    Without the fused CPU attention, the chunks shrink as the keys grow; with it, every
+    chunk is 256 rows."""
     from engine.steps import chunk_rows
+    from kernels import host_attention
+
+    fused = host_attention.kernel() is not None
+    assert [chunk_rows(n) for n in (0, 4096, 9000)] == ([256] * 3 if fused else [256, 64, 64])
+    monkeypatch.setattr(host_attention, "kernel", lambda: None)
 
     context = [(7 * i) % 200 + 1 for i in range(1301)]
     counting = Counting(tiny)
