@@ -7,7 +7,7 @@ chosen subset of freshly written rows (the accepted path through a draft tree): 
 that move are gathered through `kernels.dispatch` (the KV-compaction kernel where doctor
 allowed it, MLX's gather elsewhere), then written into place. On the CPU backend they are
 moved in the buffer itself, through numpy: MLX's write into a buffer its own gather still
-reads copies the whole buffer, every layer (~5 ms a step for the demo at 400 rows).
+reads copies the whole buffer, every layer (~4 ms a step for the demo at 400 rows).
 
 A sliding-window layer (Gemma 3's local layers, Mistral 7B v0.1, Phi-3) never reads keys
 more than its window behind the newest row, so its cache drops them (`WindowedKVCache`):

@@ -17,9 +17,9 @@ source's digest: a changed kernel is a new library, and a new cost table
 (`engine.calibration.blas_in_use` lists it). Linux on x86-64 with AVX2 and FMA only;
 UNDERSTUDY_FEW_ROWS=0 turns it off.
 
-The same library carries a decoding step's attention (kernels/cpu/attention.c, called by
-`kernels.host_attention`), run on the same helper threads: where the library is not
-loaded, MLX's ops compute attention as before.
+The same library carries the attention of every inference pass (kernels/cpu/attention.c,
+called by `kernels.host_attention`), run on the same helper threads: where the library is
+not loaded, MLX's ops compute attention as before.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from engine.blas_core import cpu_flags
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "few_rows_sgemm.c"
-# built into the same library: a step's attention (`kernels.host_attention`), on the same
-# helper threads
+# built into the same library: an inference pass's attention (`kernels.host_attention`),
+# on the same helper threads
 ATTENTION_SOURCE = SOURCE.with_name("attention.c")
 ENV = "UNDERSTUDY_FEW_ROWS"
 CPU_FLAGS = frozenset({"avx2", "fma"})

@@ -38,6 +38,7 @@ import numpy as np
 
 from kernels import host_attention
 from kernels.compile import compiled_on_main_thread
+from kernels.noise import cpu_backend
 
 LOG2E = 1.4426950408889634
 # 2^f on [0, 1]: a least-squares fit on Chebyshev nodes (relative error 2.6e-9), lowest
@@ -133,7 +134,7 @@ def on_host(values: mx.array, minimum: int = FAST_SOFTMAX_MIN) -> bool:
     activation's inputs: `models.activations`) runs on the host: float32 on the CPU
     backend, at least `minimum` of them."""
     return (values.size >= minimum and values.dtype == mx.float32 and _inference_pass.get()
-            and mx.default_device().type == mx.DeviceType.cpu)
+            and cpu_backend())
 
 
 def softmax_last(scores: mx.array) -> mx.array:
