@@ -47,6 +47,9 @@ CPU_FLAGS = frozenset({"avx2", "fma"})
 # no contraction of the scalar tail into FMAs: every instantiation of a tile then does the
 # same arithmetic (the vector FMAs are written out)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
+# where the CPU has it: 32 vector registers, so wider tiles (the products' arithmetic is
+# unchanged: 256-bit vectors either way)
+WIDE_TILE_FLAGS = frozenset({"avx512f", "avx512vl"})
 LIBS = ("-ldl", "-lpthread")
 BUILD_TIMEOUT_S = 120
 
@@ -63,12 +66,20 @@ def unsupported(flags: frozenset[str] | None = None) -> str | None:
     return None
 
 
-def library_path(cache: Path | None = None) -> Path:
-    """Where the library for this source and these flags is (or would be) built."""
+def compile_flags(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The compiler's flags for a CPU with these instruction-set flags (this one's)."""
+    flags = cpu_flags() if flags is None else flags
+    return (*CFLAGS, "-mavx512vl") if flags >= WIDE_TILE_FLAGS else CFLAGS
+
+
+def library_path(cache: Path | None = None, flags: tuple[str, ...] | None = None) -> Path:
+    """Where the library for this source and these compiler flags (this CPU's) is, or
+    would be, built."""
     from engine.paths import cache_dir
 
+    flags = compile_flags() if flags is None else flags
     digest = hashlib.sha256(SOURCE.read_bytes() + ATTENTION_SOURCE.read_bytes()
-                            + " ".join(CFLAGS).encode()).hexdigest()[:16]
+                            + " ".join(flags).encode()).hexdigest()[:16]
     return (cache if cache is not None else cache_dir() / "native") / \
         f"libunderstudyblas-{digest}.so"
 
@@ -82,13 +93,14 @@ def compiler() -> str | None:
     return next((c for c in ("gcc", "cc", "clang") if shutil.which(c)), None)
 
 
-def build(dest: Path | None = None) -> Path | None:
+def build(dest: Path | None = None, flags: tuple[str, ...] | None = None) -> Path | None:
     """The built library, compiling it first where it is missing; None where it cannot be
     built. Written under a temporary name and renamed, so a build cut short never leaves a
     library half-written. A failed build says why once (a warning, and the compiler's
     words in `<library>.failed`) and is not tried again for the same source: the app starts
     as fast as before, on OpenBLAS alone."""
-    dest = dest if dest is not None else library_path()
+    flags = compile_flags() if flags is None else flags
+    dest = dest if dest is not None else library_path(flags=flags)
     if dest.exists():
         return dest
     failed = dest.with_suffix(".failed")
@@ -106,7 +118,7 @@ def build(dest: Path | None = None) -> Path | None:
         return None
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
-        done = subprocess.run([cc, *CFLAGS, "-o", str(tmp), str(SOURCE), str(ATTENTION_SOURCE),
+        done = subprocess.run([cc, *flags, "-o", str(tmp), str(SOURCE), str(ATTENTION_SOURCE),
                                *LIBS],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode == 0:

@@ -11,12 +11,13 @@
  * Every output is one 8-lane accumulator over K in order, summed across lanes, then K's
  * tail: the same arithmetic whatever the number of rows and wherever the output falls in
  * a tile, so a row of a 16-row verify pass equals the 1-row step's bit for bit (the
- * lossless rules compare them). Tiles: a 1-3 row product streams each row of B once
- * (one read stream per thread is what keeps the memory busy); wider ones take 3 rows of
- * A against 4 of B, twelve accumulators, and fetch the next 4 rows of B into L2 while
- * the first 3 rows of A meet these: without that, the first tile of each 4 waited on
- * memory and the rest on nothing, and a 4-12 row product took 1.3-1.8x as long (cold
- * 576 x 1536: 8 rows ~240 -> ~140 us, 16 ~330 -> ~230), as did 4-6 rows streamed.
+ * lossless rules compare them). Tiles: a 1-2 row product streams each row of B once
+ * (one read stream per thread is what keeps the memory busy); wider ones take groups of
+ * up to 8 rows of A (3 without AVX-512VL) against 3-6 rows of B, and fetch the next tile
+ * of B into L2 while the first group meets this one: without that, the first tile of
+ * each group waited on memory and the rest on nothing, and a 4-12 row product took
+ * 1.3-1.8x as long (cold 576 x 1536: 8 rows ~240 -> ~140 us, 16 ~330 -> ~230, with 3 x 4
+ * tiles), as did 4-6 rows streamed.
  *
  * Threads: as many as OpenBLAS is set to (engine/blas_threads.py follows the machine's
  * load), splitting B's rows; the helpers spin briefly between jobs, then sleep. The pool
@@ -33,7 +34,7 @@ enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 };
 #define MAX_ROWS 64    /* a verify pass's rows at most; prompt chunks go to OpenBLAS */
 #define MAX_THREADS 64
 #define SPIN 20000     /* pause loops a helper waits for the next product before sleeping */
-#define STREAM_ROWS 3 /* at most (1-3) rows of A streamed against each row of B (else 3 x 4 tiles) */
+#define STREAM_ROWS 2 /* at most (1-2) rows of A streamed against each row of B (else tiles) */
 #define STREAM_BYTES (20 * 1024) /* of A's rows: what L1 holds beside a row of B */
 #define MIN_SPLIT (1 << 16) /* multiply-adds below which one thread does the whole product */
 
@@ -75,11 +76,11 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
                                                        const float *ahead) {
     const float *A = p->A + (size_t)m * p->lda, *B = p->B + (size_t)n * p->ldb;
     const int K = p->K, K8 = K & ~7;
-    __m256 acc[4][4];
+    __m256 acc[8][6];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();
     for (int k = 0; k < K8; k += 8) {
-        __m256 b[4];
+        __m256 b[6];
         if (ahead && !(k & 15))
             for (int j = 0; j < NR; j++)
                 _mm_prefetch((const char *)(ahead + (size_t)j * p->ldb + k), _MM_HINT_T1);
@@ -99,34 +100,73 @@ static inline __attribute__((always_inline)) void tile(const int MR, const int N
         }
 }
 
+/* Rows of A a tile takes at most. With AVX-512VL's 32 vector registers (the library is
+   built with it where the CPU has it) a tile holds up to 24 accumulators: 4 x 6, 6 x 4 or
+   8 x 3; with AVX2's 16, 3 x 4 (which already spills one). Fewer loads per multiply-add:
+   on this project's 2-core VMs an 8-row 576 x 1536 product ~120 -> ~90 us, 16 rows
+   ~210 -> ~175, 3 rows against K = 1536 (streamed before) ~130 -> ~70. The arithmetic
+   of an output is the same in every tile. */
+#ifdef __AVX512VL__
+#define MAX_MR 8
+#else
+#define MAX_MR 3
+#endif
+
+/* a tile whose shape is known only at run time: a switch onto each shape product_part
+   asks for, so that every one is compiled with its accumulators in registers */
+#define T(mr, nr) case mr * 8 + nr: tile(mr, nr, p, m, n, ahead); return;
+static void tile_any(int MR, int NR, const Product *p, int m, int n, const float *ahead) {
+    switch (MR * 8 + NR) {
+    T(1, 1) T(2, 1) T(3, 1) T(1, 4) T(2, 4) T(3, 4)
+#ifdef __AVX512VL__
+    T(4, 1) T(5, 1) T(6, 1) T(7, 1) T(8, 1)
+    T(1, 6) T(2, 6) T(3, 6) T(4, 6) T(4, 4) T(5, 4) T(6, 4) T(6, 3) T(7, 3) T(8, 3)
+#endif
+    }
+    __builtin_trap(); /* a shape product_part never asks for (the tests try every M) */
+}
+#undef T
+
+/* columns of B per tile for groups of at most `mr` rows of A (and one fewer) */
+static int tile_cols(int mr) {
+#ifdef __AVX512VL__
+    return mr <= 4 ? 6 : mr <= 6 ? 4 : 3;
+#else
+    (void)mr;
+    return 4;
+#endif
+}
+
 /* every row of A against rows n0..n1 of B */
 static void product_part(const Product *p, int n0, int n1) {
     const int M = p->M;
     if (M <= STREAM_ROWS && (long)M * p->K * 4 <= STREAM_BYTES) {
         /* A stays in L1 while each row of B streams past once */
-        for (int n = n0; n < n1; n++) switch (M) {
-            case 3: tile(3, 1, p, 0, n, NULL); break;
-            case 2: tile(2, 1, p, 0, n, NULL); break;
-            default: tile(1, 1, p, 0, n, NULL); break;
-            }
+        for (int n = n0; n < n1; n++) {
+            if (M == 2) tile(2, 1, p, 0, n, NULL);
+            else tile(1, 1, p, 0, n, NULL);
+        }
         return;
     }
+    /* A's rows in groups as even as can be (sizes g and g - 1 at most MAX_MR), each
+       group against each tile of B; the next tile's rows of B come from memory while the
+       first group meets these, and the other groups then find them in L2 */
+    const int groups = (M + MAX_MR - 1) / MAX_MR, NR = tile_cols((M + groups - 1) / groups);
     int n = n0;
-    for (; n + 4 <= n1; n += 4) {
-        /* the next tile's rows of B come from memory while this one's first rows of A
-           are multiplied; the rest of A then finds them in L2 */
-        const float *next = n + 8 <= n1 ? p->B + (size_t)(n + 4) * p->ldb : NULL;
-        int m = 0;
-        for (; m + 3 <= M; m += 3) tile(3, 4, p, m, n, m == 0 ? next : NULL);
-        if (M - m == 2) tile(2, 4, p, m, n, NULL);
-        else if (M - m == 1) tile(1, 4, p, m, n, NULL);
+    for (; n + NR <= n1; n += NR) {
+        const float *next = n + 2 * NR <= n1 ? p->B + (size_t)(n + NR) * p->ldb : NULL;
+        for (int g = 0, m = 0; g < groups; g++) {
+            const int mr = (M - m) / (groups - g);
+            tile_any(mr, NR, p, m, n, g == 0 ? next : NULL);
+            m += mr;
+        }
     }
-    for (; n < n1; n++) {
-        int m = 0;
-        for (; m + 3 <= M; m += 3) tile(3, 1, p, m, n, NULL);
-        if (M - m == 2) tile(2, 1, p, m, n, NULL);
-        else if (M - m == 1) tile(1, 1, p, m, n, NULL);
-    }
+    for (; n < n1; n++)
+        for (int g = 0, m = 0; g < groups; g++) {
+            const int mr = (M - m) / (groups - g);
+            tile_any(mr, 1, p, m, n, NULL);
+            m += mr;
+        }
 }
 
 /* ---- the helpers: one job at a time, handed over by a generation counter. A job is a
@@ -157,7 +197,7 @@ static void after_fork_in_child(void) {
 }
 
 static void part_bounds(int part, int parts, int N, int *n0, int *n1) {
-    int per = ((N + parts - 1) / parts + 3) & ~3; /* whole 4-row tiles per part */
+    int per = ((N + parts - 1) / parts + 11) / 12 * 12; /* whole tiles (of 1-6 rows) per part */
     *n0 = part * per;
     *n1 = *n0 + per < N ? *n0 + per : N;
 }

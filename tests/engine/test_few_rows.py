@@ -26,13 +26,27 @@ needs_kernel = pytest.mark.skipif(few_rows.unsupported() is not None or
                                   reason="the few-row kernel does not run on this machine")
 
 
-@pytest.fixture(scope="module")
-def library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["this CPU", "AVX2 only"])
+def library(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The library as built for this CPU, and as built for one without AVX-512 (its
+    narrower tiles), where this CPU can run both."""
     if few_rows.unsupported() is not None or few_rows.compiler() is None:
         pytest.skip("the few-row kernel does not run on this machine")
-    built = few_rows.build(few_rows.library_path(tmp_path_factory.mktemp("native")))
+    flags = few_rows.compile_flags() if request.param == "this CPU" else few_rows.CFLAGS
+    if request.param != "this CPU" and flags == few_rows.compile_flags():
+        pytest.skip("this CPU's build is the AVX2 one")
+    built = few_rows.build(few_rows.library_path(tmp_path_factory.mktemp("native"), flags),
+                           flags)
     assert built is not None and built.exists()
     return built
+
+
+def test_wide_tiles_where_the_cpu_has_avx512vl() -> None:
+    assert few_rows.compile_flags(frozenset({"avx2", "fma"})) == few_rows.CFLAGS
+    wide = few_rows.compile_flags(frozenset({"avx2", "fma", "avx512f", "avx512vl"}))
+    assert wide == (*few_rows.CFLAGS, "-mavx512vl")
+    assert few_rows.library_path(Path("/x"), wide) != few_rows.library_path(Path("/x"),
+                                                                            few_rows.CFLAGS)
 
 
 def sgemm(lib: ctypes.CDLL, a: np.ndarray, b: np.ndarray, alpha: float = 1.0,
@@ -71,15 +85,16 @@ def test_products_match_a_float64_reference(library: Path, M: int, N: int, K: in
 @needs_kernel
 def test_a_row_of_a_wide_product_equals_the_one_row_product_exactly(library: Path) -> None:
     """The verify pass's row and the one-token step's must agree to the bit: the tile a row
-    falls in (1-3 rows streamed, 3 x 4 tiles, a 1- or 2-row remainder) must not change its
-    arithmetic. Strided operands (rows of a wider array) as MLX passes them."""
+    falls in (1-2 rows streamed, groups of rows in tiles of every shape, a remainder of B's
+    rows) must not change its arithmetic: every M up to the library's 64. Strided operands
+    (rows of a wider array) as MLX passes them."""
     lib = ctypes.CDLL(str(library))
     rng = np.random.default_rng(0)
-    wide_a = rng.standard_normal((40, 1600), np.float32)
-    b = rng.standard_normal((1538, 1600), np.float32)[:, :1541]  # K with a tail, strided
+    wide_a = rng.standard_normal((64, 1600), np.float32)
+    b = rng.standard_normal((143, 1600), np.float32)[:, :1541]  # K with a tail, strided
     for K in (576, 1541):
-        alone = [sgemm(lib, wide_a[i : i + 1, :K], b[:, :K]) for i in range(40)]
-        for M in (1, 2, 3, 4, 5, 7, 8, 16, 33, 40):
+        alone = [sgemm(lib, wide_a[i : i + 1, :K], b[:, :K]) for i in range(64)]
+        for M in range(1, 65):
             got = sgemm(lib, wide_a[:M, :K], b[:, :K])
             for i in range(M):
                 assert np.array_equal(got[i], alone[i][0]), (K, M, i)
