@@ -143,7 +143,11 @@ def preload() -> Path | None:
         log.info("few-row products: %s", reason)
         return None
     try:
-        return build()
+        built = build()
+        if built is None and compile_flags() != CFLAGS:
+            # a compiler that cannot target AVX-512VL still builds the AVX2 tiles
+            built = build(flags=CFLAGS)
+        return built
     except Exception as e:  # noqa: BLE001 - never stop the app from starting over this
         log.warning("few-row products: %s", e)
         return None

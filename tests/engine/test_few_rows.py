@@ -118,6 +118,30 @@ def test_the_library_is_built_once_and_named_by_its_source(tmp_path: Path,
     assert few_rows.library_path(tmp_path) != path
 
 
+@needs_kernel
+def test_a_compiler_without_avx512vl_still_builds_the_avx2_tiles(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU with AVX-512VL whose compiler cannot target it, the library is the AVX2
+    build, not OpenBLAS alone."""
+    real = few_rows.compiler()
+    assert real is not None
+    cc = tmp_path / "cc-without-avx512"
+    cc.write_text("#!/bin/sh\n"
+                  'for a in "$@"; do [ "$a" = -mavx512vl ] && '
+                  '{ echo "unrecognized option -mavx512vl" >&2; exit 1; }; done\n'
+                  f'exec {real} "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr(few_rows, "cpu_flags",
+                        lambda: frozenset({"avx2", "fma", "avx512f", "avx512vl"}))
+    assert few_rows.compile_flags() != few_rows.CFLAGS
+    built = few_rows.preload()
+    assert built == few_rows.library_path(flags=few_rows.CFLAGS) and built.exists()
+    assert few_rows.library_path().with_suffix(".failed").exists()  # the wide one, once
+    assert few_rows.preload() == built  # and the next start goes straight to it
+
+
 def test_a_failed_build_leaves_nothing_and_says_why(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
