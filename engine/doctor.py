@@ -21,7 +21,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from engine.blas_core import ENV, better_core, corename, cpu_flags, threads_api
-from engine.few_rows import unsupported
+from engine.few_rows import tiles_of, unsupported
 from engine.loading import default_backend
 from engine.paths import app_data_dir
 from kernels import dispatch, host_attention, selftest
@@ -128,7 +128,9 @@ def _few_rows_said(libs: list[str]) -> tuple[str, ...]:
     if ours:
         attention = ("Understudy's own (the same library)" if host_attention.kernel()
                      else "MLX's ops (the library lacks it)")
-        return (f"products of 1-64 rows: Understudy's own ({ours[0]})",
+        tiles = tiles_of(ours[0])
+        built = f"{tiles} tiles, " if tiles else ""
+        return (f"products of 1-64 rows: Understudy's own ({built}{ours[0]})",
                 f"attention of inference passes: {attention}")
     reason = unsupported() or "not preloaded: start with `understudy`"
     return (f"products of 1-64 rows: OpenBLAS's ({reason})",

@@ -72,6 +72,16 @@ def compile_flags(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     return (*CFLAGS, "-mavx512vl") if flags >= WIDE_TILE_FLAGS else CFLAGS
 
 
+def tiles_of(library: str | Path) -> str | None:
+    """Which tiles the built library at this path has ("AVX-512VL" or "AVX2"), by its
+    name; None for a library this source did not build."""
+    name = Path(library).name
+    for flags, tiles in ((CFLAGS, "AVX2"), ((*CFLAGS, "-mavx512vl"), "AVX-512VL")):
+        if name == library_path(Path("."), flags).name:
+            return tiles
+    return None
+
+
 def library_path(cache: Path | None = None, flags: tuple[str, ...] | None = None) -> Path:
     """Where the library for this source and these compiler flags (this CPU's) is, or
     would be, built."""

@@ -268,6 +268,12 @@ def test_doctor_says_who_serves_products_and_attention(monkeypatch: pytest.Monke
     said = doctor._few_rows_said(["/c/native/libunderstudyblas-abc.so"])
     assert said == ("products of 1-64 rows: Understudy's own (/c/native/libunderstudyblas-abc.so)",
                     "attention of inference passes: Understudy's own (the same library)")
+    # a library this source built says which tiles it has
+    for flags, tiles in ((few_rows.CFLAGS, "AVX2"), ((*few_rows.CFLAGS, "-mavx512vl"),
+                                                     "AVX-512VL")):
+        lib = str(few_rows.library_path(Path("/c/native"), flags))
+        assert doctor._few_rows_said([lib])[0] == \
+            f"products of 1-64 rows: Understudy's own ({tiles} tiles, {lib})"
     monkeypatch.setattr(host_attention, "kernel", lambda: None)
     assert doctor._few_rows_said(["/c/native/libunderstudyblas-abc.so"])[1] == \
         "attention of inference passes: MLX's ops (the library lacks it)"
