@@ -47,9 +47,10 @@ CPU_FLAGS = frozenset({"avx2", "fma"})
 # no contraction of the scalar tail into FMAs: every instantiation of a tile then does the
 # same arithmetic (the vector FMAs are written out)
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-shared", "-fPIC")
-# where the CPU has it: 32 vector registers, so wider tiles (the products' arithmetic is
+# where the CPU has these: 32 vector registers, so wider tiles (the products' arithmetic is
 # unchanged: 256-bit vectors either way)
 WIDE_TILE_FLAGS = frozenset({"avx512f", "avx512vl"})
+WIDE_CFLAGS = (*CFLAGS, "-mavx512vl")
 LIBS = ("-ldl", "-lpthread")
 BUILD_TIMEOUT_S = 120
 
@@ -69,14 +70,14 @@ def unsupported(flags: frozenset[str] | None = None) -> str | None:
 def compile_flags(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The compiler's flags for a CPU with these instruction-set flags (this one's)."""
     flags = cpu_flags() if flags is None else flags
-    return (*CFLAGS, "-mavx512vl") if flags >= WIDE_TILE_FLAGS else CFLAGS
+    return WIDE_CFLAGS if flags >= WIDE_TILE_FLAGS else CFLAGS
 
 
 def tiles_of(library: str | Path) -> str | None:
     """Which tiles the built library at this path has ("AVX-512VL" or "AVX2"), by its
     name; None for a library this source did not build."""
     name = Path(library).name
-    for flags, tiles in ((CFLAGS, "AVX2"), ((*CFLAGS, "-mavx512vl"), "AVX-512VL")):
+    for flags, tiles in ((CFLAGS, "AVX2"), (WIDE_CFLAGS, "AVX-512VL")):
         if name == library_path(Path("."), flags).name:
             return tiles
     return None
@@ -153,8 +154,9 @@ def preload() -> Path | None:
         log.info("few-row products: %s", reason)
         return None
     try:
-        built = build()
-        if built is None and compile_flags() != CFLAGS:
+        flags = compile_flags()
+        built = build(flags=flags)
+        if built is None and flags != CFLAGS:
             # a compiler that cannot target AVX-512VL still builds the AVX2 tiles
             built = build(flags=CFLAGS)
         return built
