@@ -201,13 +201,24 @@ def entry_to_costs(entry: object) -> CostModel:
     if 1 not in verify_s:
         raise ValueError("verify_s has no width 1")
     draft_s = {str(d): _seconds(s, f"draft_s[{d}]") for d, s in draft.items()}
-    return CostModel(verify_s, draft_s, _seconds(entry.get("overlap_s", 0.0), "overlap_s"))
+    inferred = entry.get("inferred", [])
+    if not isinstance(inferred, list) or not all(
+            isinstance(w, int) and not isinstance(w, bool) and w > 1 for w in inferred):
+        raise ValueError(f"inferred must be a list of widths above 1, got {inferred!r}")
+    # an entry under the 1-row pass's is no pass's timing but a rescale that went too far
+    # (as a version that did not mark inferences could save): its width's first pass sets it
+    below_one = {w for w, sec in verify_s.items() if w > 1 and sec < verify_s[1]}
+    return CostModel(verify_s, draft_s, _seconds(entry.get("overlap_s", 0.0), "overlap_s"),
+                     {w for w in inferred if w in verify_s} | below_one)
 
 
 def costs_to_entry(costs: CostModel) -> dict:
-    return {"format": CALIBRATION_FORMAT, "measured_at": int(time.time()),
-            "verify_s": {str(w): s for w, s in sorted(costs.table().items())},
-            "draft_s": dict(costs.draft_s), "overlap_s": costs.overlap_s}
+    entry = {"format": CALIBRATION_FORMAT, "measured_at": int(time.time()),
+             "verify_s": {str(w): s for w, s in sorted(costs.table().items())},
+             "draft_s": dict(costs.draft_s), "overlap_s": costs.overlap_s}
+    if costs.inferred:
+        entry["inferred"] = sorted(costs.inferred)
+    return entry
 
 
 def _warn(message: str) -> None:

@@ -83,6 +83,9 @@ class CostModel:
     # pipelined plain step builds the next pass while the last one finishes (about the
     # graph-building time of a width-1 pass)
     overlap_s: float = 0.0
+    # widths whose entry no pass of their own set: a correction rescaled it from another
+    # width's timing (kept in the calibration file, so a later run knows it too)
+    inferred: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         # verify() for every width up to WIDEST_PASS, per row budget, rebuilt after a change
@@ -134,8 +137,18 @@ class CostModel:
                     for w in self.verify_s:
                         if w > 1 and w != width and self._unsettled(w):
                             self.verify_s[w] *= seconds / old
+                            self.inferred.add(w)
                     taken_whole = self._corrected = True
                 old = seconds
+            elif width in self.inferred and seconds > old * (1 + REFINE_FRACTION):
+                # an entry another width's timing set, and this width's own first pass
+                # says it is too low: taken whole too (alone). Else a noisy machine's fast
+                # moments, each rescaling the untested entries down, ratchet them far
+                # below any real pass (a 2-row pass priced at 0.27x a 1-row one was
+                # saved here), and the policy drafts into rows it thinks are free
+                self.corrections.append((width, old, seconds))
+                old = seconds
+        self.inferred.discard(width)
         if taken_whole:
             self._taken_whole.add(width)
         else:

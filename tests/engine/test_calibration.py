@@ -139,6 +139,8 @@ def test_a_damaged_file_is_set_aside_with_a_warning_and_measured_again(
     ({"verify_s": {"2": 0.1}}, "no width 1"),
     ({"verify_s": {"1": 0.1}, "draft_s": {"model": None}}, r"draft_s\[model\]"),
     ({"verify_s": {"1": 0.1}, "overlap_s": "x"}, "overlap_s"),
+    ({"verify_s": {"1": 0.1}, "inferred": [1]}, "inferred"),
+    ({"verify_s": {"1": 0.1}, "inferred": "4"}, "inferred"),
 ])
 def test_an_entry_with_wrong_types_is_reported_and_measured_again(
         data_dir: Path, entry: dict, field: str) -> None:
@@ -184,6 +186,42 @@ def test_an_entry_timed_before_the_widest_tree_width_loads_and_learns_it(
     saved = json.loads(calibration_file().read_text())["k"]["verify_s"]
     assert saved[str(widest)] == pytest.approx(before + COST_EMA * (0.36 - before))
     assert saved["12"] == pytest.approx(0.30)
+
+
+def test_inferred_entries_are_saved_as_such_and_set_by_their_own_pass_next_run(
+        data_dir: Path) -> None:
+    """An entry a correction rescaled from another width's timing stays marked in the
+    file, so the next run too takes its width's first pass whole, also a slower one."""
+    costs = CostModel({1: 0.1, 4: 1.0, 16: 2.0})
+    costs.observe(16, 0.2)  # a stale table: corrected, and width 4 rescaled to 0.1
+    assert costs.inferred == {4}
+    save_costs("k", costs)
+    assert json.loads(calibration_file().read_text())["k"]["inferred"] == [4]
+    loaded = load_or_measure_costs("k", lambda: pytest.fail("measured again"))
+    assert loaded.inferred == {4} and loaded.table()[4] == pytest.approx(0.1)
+    loaded.observe(4, 0.15)
+    assert loaded.table()[4] == pytest.approx(0.15) and loaded.inferred == set()
+    # negative control: saved without the mark, the same pass is only smoothed
+    save_costs("k", CostModel({1: 0.1, 4: 0.1, 16: 0.2}))
+    assert "inferred" not in json.loads(calibration_file().read_text())["k"]
+    loaded = load_or_measure_costs("k", lambda: pytest.fail("measured again"))
+    loaded.observe(4, 0.15)
+    assert loaded.table()[4] == pytest.approx(0.1 + COST_EMA * 0.05)
+
+
+def test_an_entry_under_the_one_row_pass_is_taken_as_an_inference(data_dir: Path) -> None:
+    """What an older version saved after noisy corrections (this machine's file priced a
+    2-row pass at 7.2 ms beside 26.2 ms for one row): no pass costs that, so the width's
+    first pass sets it."""
+    entry = {"format": CALIBRATION_FORMAT, "verify_s": {"1": 0.0262, "2": 0.0072, "8": 0.0133,
+                                                        "16": 0.0349}, "draft_s": {}}
+    calibration_file().write_text(json.dumps({"k": entry}))
+    costs = load_or_measure_costs("k", lambda: pytest.fail("measured again"))
+    assert costs.inferred == {2, 8}
+    costs.observe(2, 0.027)
+    assert costs.table()[2] == pytest.approx(0.027)
+    costs.observe(16, 0.045)  # an entry above one row's: smoothed, as any calibration
+    assert costs.table()[16] == pytest.approx(0.0349 + COST_EMA * (0.045 - 0.0349))
 
 
 def test_saved_costs_replace_their_entry_only(data_dir: Path) -> None:

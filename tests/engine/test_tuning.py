@@ -528,6 +528,53 @@ def test_the_passes_after_a_slow_correcting_probe_refine_the_table() -> None:
     assert costs.table()[4] == pytest.approx(TRUE[4] + COST_EMA * (TRUE[4] / 1.25 - TRUE[4]))
 
 
+def test_an_entry_a_correction_rescaled_is_set_by_its_own_first_pass_either_way() -> None:
+    """A fast moment on a shared machine (a width-16 pass at 0.7x its steady cost) corrects
+    a stale table and rescales every untested entry to 0.7x. Each of those is then set by
+    its own first pass, also where that pass is slower: else such moments, each rescaling
+    downwards and none upwards, ratchet the untested entries far below any real pass (a
+    saved table priced a 2-row pass at 0.27x a 1-row one) and the policy drafts into rows
+    it takes for free."""
+    costs = CostModel(dict(STALE))
+    costs.observe(1, TRUE[1])
+    costs.observe(16, 0.7 * TRUE[16])
+    assert costs.table()[4] == pytest.approx(0.7 * TRUE[4])
+    assert costs.inferred == {2, 3, 4, 8}
+    costs.observe(4, TRUE[4])
+    assert costs.table()[4] == pytest.approx(TRUE[4])
+    assert costs.corrections[-1] == (4, pytest.approx(0.7 * TRUE[4]), TRUE[4])
+    assert costs.inferred == {2, 3, 8}
+    assert costs.table()[8] == pytest.approx(0.7 * TRUE[8])  # alone: no rescale upwards
+    # negative control: an entry no correction set (a calibration, a live timing) is
+    # only smoothed by a slower first pass, as before
+    costs = CostModel({1: TRUE[1], 4: 0.7 * TRUE[4], 16: TRUE[16]})
+    costs.observe(4, TRUE[4])
+    assert costs.table()[4] == pytest.approx(0.7 * TRUE[4] + COST_EMA * 0.3 * TRUE[4])
+    assert costs.corrections == [] and costs.inferred == set()
+
+
+def test_after_a_fast_correction_each_width_used_once_is_priced_near_its_passes() -> None:
+    """Fixed seed. A stale table corrected by a pass in a fast moment (0.75x its steady
+    cost; this VM's per-pass times are bimodal, ~22 and ~29 ms) prices every untested
+    width 0.75x. One use of each width, at 0.9-1.1x its steady cost, then prices it within
+    15%. Negative control: with the rule before (only cheaper first timings taken whole),
+    the same passes leave every one of them at most 0.82x."""
+    used = [2, 3, 4, 8]
+
+    def after_one_use(mark_inferred: bool) -> list[float]:
+        rng = np.random.default_rng(7)
+        costs = CostModel(dict(STALE))
+        costs.observe(16, 0.75 * TRUE[16])
+        if not mark_inferred:
+            costs.inferred.clear()
+        for w in used:
+            costs.observe(w, true_cost(w) * rng.uniform(0.9, 1.1))
+        return [costs.table()[w] / true_cost(w) for w in used]
+
+    assert all(0.85 <= r <= 1.15 for r in after_one_use(True))
+    assert all(r <= 0.82 for r in after_one_use(False))
+
+
 def test_a_first_timing_above_the_table_is_smoothed_not_taken_whole() -> None:
     """A slow first pass may be the machine's load: an optimistic entry is corrected by the
     passes the policy keeps making at it, so one timing does not replace it."""
