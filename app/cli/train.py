@@ -8,6 +8,7 @@ showing, and turns Ctrl-C into a clean stop that still writes a checkpoint.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import threading
 
@@ -73,30 +74,39 @@ def run(args: argparse.Namespace) -> int:
     last = None
     made_data = False
     printed_sequences = -1
-    events = train_drafter(target, options, cancel, warn=warn)
-    while True:
-        try:
-            p = next(events)
-        except StopIteration:
-            break
-        except KeyboardInterrupt:
-            cancel.set()  # finish the slice, write a checkpoint, stop
-            print("stopping after a checkpoint...", file=sys.stderr)
-            continue
-        last = p
-        made_data = made_data or p.phase == "data"
-        if p.phase == "data":
-            # once the data on hand is known and after each batch, not every slice
-            if p.data_sequences and p.data_sequences != printed_sequences:
-                printed_sequences = p.data_sequences
-                print(f"data   {p.data_sequences:5d} replies {p.data_tokens:7d} tokens  "
-                      f"{p.elapsed_s:6.0f}s", file=sys.stderr)
-        elif p.phase == "done" and not p.new_checkpoint:
-            continue  # no step was trained: said once below
-        elif p.phase in ("checkpoint", "done") or p.step % 25 == 0:
-            top1 = f"  held-out top-1 {p.heldout_top1:.3f}" if p.heldout_top1 is not None else ""
-            print(f"{p.phase:<6} step {p.step:6d}  loss {p.loss if p.loss is not None else 0:7.3f}"
-                  f"  tokens {p.tokens_seen:8d}{top1}  {p.elapsed_s:6.0f}s", file=sys.stderr)
+
+    def interrupted(_signum, _frame) -> None:
+        """Ctrl-C: finish the slice, write a checkpoint, stop. Not a KeyboardInterrupt:
+        raised inside the job's generator, that ended the job where it stood, so the
+        steps since the last checkpoint were lost and the end said "no head yet"."""
+        if cancel.is_set():
+            raise KeyboardInterrupt  # a second Ctrl-C: out at once
+        cancel.set()
+        print("stopping after a checkpoint... (Ctrl-C again to quit now)", file=sys.stderr)
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupted) if main_thread else None
+    try:
+        for p in train_drafter(target, options, cancel, warn=warn):
+            last = p
+            made_data = made_data or p.phase == "data"
+            if p.phase == "data":
+                # once the data on hand is known and after each batch, not every slice
+                if p.data_sequences and p.data_sequences != printed_sequences:
+                    printed_sequences = p.data_sequences
+                    print(f"data   {p.data_sequences:5d} replies {p.data_tokens:7d} tokens  "
+                          f"{p.elapsed_s:6.0f}s", file=sys.stderr)
+            elif p.phase == "done" and not p.new_checkpoint:
+                continue  # no step was trained: said once below
+            elif p.phase in ("checkpoint", "done") or p.step % 25 == 0:
+                top1 = (f"  held-out top-1 {p.heldout_top1:.3f}"
+                        if p.heldout_top1 is not None else "")
+                loss = p.loss if p.loss is not None else 0
+                print(f"{p.phase:<6} step {p.step:6d}  loss {loss:7.3f}"
+                      f"  tokens {p.tokens_seen:8d}{top1}  {p.elapsed_s:6.0f}s", file=sys.stderr)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
     if last is not None and last.new_checkpoint:
         print(f"head saved: {last.checkpoint}")
     elif last is not None and last.checkpoint:

@@ -160,6 +160,40 @@ def test_a_full_disk_is_one_line_and_the_last_head_stays_in_use(
                  "--prompt", "Hello world", "--max-tokens", "8"]) == 0
 
 
+def test_ctrl_c_while_training_writes_a_checkpoint_of_the_steps_so_far(
+        tiny4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT once steps have run (before the first periodic checkpoint, every 100
+    steps): the job finishes its slice and saves a head of every step it took. It used to
+    raise inside the job, which ended it where it stood: no head, and "no head yet: the
+    time went to making data"."""
+    data = tmp_path / "data"
+    monkeypatch.setenv("UNDERSTUDY_DATA_DIR", str(data))
+    prompts = numbered_prompts(tmp_path, 12)
+    env = {**os.environ, "UNDERSTUDY_DATA_DIR": str(data)}
+    job = subprocess.Popen([sys.executable, "-m", "app.cli", "train-drafter", "--model",
+                            str(tiny4), "--data", str(prompts), "--minutes", "30"],
+                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True)
+    try:
+        assert job.stderr is not None
+        while True:
+            line = job.stderr.readline()
+            assert line, "the job ended before it trained"
+            if line.split()[:2] == ["train", "step"]:
+                step = int(line.split()[2])
+                break
+        job.send_signal(signal.SIGINT)
+        out, err = job.communicate(timeout=300)
+    finally:
+        job.kill()
+    assert job.returncode == 0, err
+    assert "stopping after a checkpoint" in err and "no head yet" not in err
+    root = head_root(Path(load_model(str(tiny4)).path))
+    saved = current_checkpoint(root)
+    assert saved is not None and out.strip() == f"head saved: {saved}"
+    assert step <= int(saved.name.split("-")[1]) < 100
+
+
 def test_a_job_killed_mid_run_leaves_no_lock_and_the_next_one_goes_on(
         tiny4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """kill -9 while a job holds its head folder: the lock dies with the process (its
