@@ -148,7 +148,7 @@ class CostModel:
                 # saved here), and the policy drafts into rows it thinks are free
                 self.corrections.append((width, old, seconds))
                 old = seconds
-        self.inferred.discard(width)
+            self.inferred.discard(width)  # its own pass has set it now
         if taken_whole:
             self._taken_whole.add(width)
         else:
