@@ -19,6 +19,7 @@ from engine.models.attention import inference_pass
 from engine.sampling import (
     SamplingParams,
     gumbel_noise,
+    gumbel_noise_at,
     log_probs,
     sample_categorical,
     sample_coupled,
@@ -57,18 +58,23 @@ class Draft:
 
 @dataclass(frozen=True)
 class DraftRun:
-    """What `draft_tokens` drew: the tokens, their log-distributions q (k, V) and the raw
-    logits of each depth (1, V) before the sampling processors (tree sources read them)."""
+    """What `draft_tokens` drew: the tokens, their log-distributions q (k, n) and the raw
+    logits of each depth (1, n) before the sampling processors (tree sources read them).
+
+    Over the whole vocabulary (n = V) where `columns` is None, else over the drafter's own
+    columns, token `columns[j]` in column j (a head's hot vocabulary): lifting them to the
+    vocabulary costs more than the head step that made them (~0.4 ms a row here), so only
+    what reads q over the vocabulary (the rejection rule) lifts it."""
 
     ids: tuple[int, ...]
     logq: mx.array
     logits: tuple[mx.array, ...]
+    columns: mx.array | None = None
 
 
 def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
                  context: Sequence[int], k: int, sampling: SamplingParams,
-                 accept: str, vocab: mx.array | None = None,
-                 lift: Callable[[mx.array], mx.array] | None = None) -> DraftRun:
+                 accept: str, vocab: mx.array | None = None) -> DraftRun:
     """The one autoregressive draft loop: k tokens after `context` as one lazy graph,
     evaluated once at the end.
 
@@ -79,12 +85,11 @@ def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
     rule at T > 0, from q with the position's draft key), so a draft that agrees with the
     target picks the target's own token; q is recorded for the rejection rule.
 
-    A drafter with a small output vocabulary passes logits over it, `vocab` (its columns'
-    token ids) and `lift` (its rows -> the whole vocabulary, -inf elsewhere): tokens are
-    drawn over those columns alone, with the noise of their ids, which draws the very
-    tokens the lifted rows would; q and the logits are returned lifted, lazily (only the
-    rejection rule and tree sources read them). No repetition penalty: its history holds
-    token ids, not columns.
+    A drafter with a small output vocabulary passes logits over it and `vocab` (its columns'
+    token ids): tokens are drawn over those columns alone, with the noise of their ids,
+    which draws the very tokens the rows lifted to the whole vocabulary (-inf elsewhere)
+    would; q and the logits are returned over the columns (`DraftRun.columns`). No
+    repetition penalty: its history holds token ids, not columns.
     """
     want_history = sampling.repetition_penalty != 1.0
     if vocab is not None and want_history:
@@ -118,9 +123,7 @@ def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
     drafted = mx.concatenate(ids)
     logq = mx.concatenate(logqs)
     mx.eval(drafted)
-    if lift is not None:
-        logq, raw = lift(logq), [lift(r) for r in raw]
-    return DraftRun(tuple(int(x) for x in drafted.tolist()), logq, tuple(raw))
+    return DraftRun(tuple(int(x) for x in drafted.tolist()), logq, tuple(raw), vocab)
 
 
 # alternatives a tree may offer per depth (depth 1 two, depth 2 one). Deeper or wider offers
@@ -129,33 +132,43 @@ def draft_tokens(logits: mx.array, step: Callable[[mx.array], mx.array],
 RUNNER_UPS = (2, 1)
 
 
-def with_runner_ups(chain: Draft, raw: Sequence[mx.array], n_context: int,
+def with_runner_ups(chain: Draft, run: DraftRun | None, n_context: int,
                     sampling: SamplingParams, accept: str, extra: int) -> Draft:
-    """`chain` (drawn by `draft_tokens`, `raw` its per-depth logits) plus, within `extra`
-    nodes, the runner-ups (`RUNNER_UPS` at each shallow depth) as leaves beside the chain's
-    node there.
+    """`chain` (drawn by `draft_tokens` as `run`) plus, within `extra` nodes, the runner-ups
+    (`RUNNER_UPS` at each shallow depth) as leaves beside the chain's node there.
 
     Under the coupled rule the chain's token is the argmax of the draft's scores (log q
     plus the position's noise); the runner-ups are the next ones, and where the draft's
     pick is wrong they are the likeliest target choices. Each carries its gap below the
     chain's token (EAGLE-2 style: a close call is a likely win) so the policy can price
     it; a leaf costs a verify row but no draft step. Coupled rule only; ids the drafter
-    cannot propose (-inf, e.g. outside a head's hot vocabulary) are never added.
+    cannot propose (-inf, or outside a head's hot vocabulary) are never added. Scored
+    over the run's own columns where it has them, with the noise of their ids: the same
+    leaves as over the whole vocabulary, without a pass over it.
     """
     k = min(len(chain.ids), len(RUNNER_UPS))
-    if extra <= 0 or accept != "coupled" or chain.logq is None or not k:
+    if extra <= 0 or accept != "coupled" or chain.logq is None or not k or run is None:
         return chain
+    columns = run.columns
+    positions = list(range(n_context, n_context + k))
     if sampling.greedy:  # q is one-hot: the runner-ups come from the drafter's logits
         # (a gap between two logits of a row is their log-probability ratio: no softmax)
-        scores = mx.concatenate([r.astype(mx.float32) for r in raw[:k]])
+        scores = mx.concatenate([r.astype(mx.float32) for r in run.logits[:k]])
+    elif columns is None:
+        scores = run.logq[:k].astype(mx.float32) + gumbel_noise(
+            sampling.seed, positions, run.logq.shape[-1])
     else:
-        scores = chain.logq[:k].astype(mx.float32) + gumbel_noise(
-            sampling.seed, list(range(n_context, n_context + k)), chain.logq.shape[-1])
+        scores = run.logq[:k].astype(mx.float32) + gumbel_noise_at(
+            sampling.seed, positions, columns)
     most = max(RUNNER_UPS)
     top = mx.argpartition(-scores, most, axis=-1)[:, : most + 1]
     picked = mx.array(chain.ids[:k])[:, None]
+    if columns is not None:  # each pick's column
+        picked = mx.argmax(columns[None, :] == picked, axis=-1, keepdims=True)
     best = mx.take_along_axis(scores, picked, axis=-1)
     gap = best - mx.take_along_axis(scores, top, axis=-1)
+    if columns is not None:
+        top = mx.take(columns, top)
     mx.eval(top, gap)  # one host sync for both
     leaves: list[tuple[int, float, int]] = []  # (depth, gap, token)
     for depth, (toks, gaps) in enumerate(zip(top.tolist(), gap.tolist(), strict=True),

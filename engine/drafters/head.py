@@ -23,7 +23,7 @@ import mlx.nn as nn
 import numpy as np
 
 from engine.cache import KVCache, PreallocatedKVCache, shared_length
-from engine.drafters.base import Draft, draft_tokens, with_runner_ups
+from engine.drafters.base import Draft, DraftRun, draft_tokens, with_runner_ups
 from engine.models.decoder import LONGROPE, MLP, Attention, Linear, ModelArgs, rope_kind
 from engine.models.taps import FeatureTap
 from engine.sampling import SamplingParams, log_probs
@@ -220,7 +220,7 @@ class HeadDrafter:
         self.cache = PreallocatedKVCache(chunk=256)
         self.ids: list[int] = []  # the committed context the cache's rows belong to
         self._last: mx.array | None = None  # output state of the newest row (1, 1, D)
-        self._raw: list[mx.array] = []  # the last proposal's logits per depth (1, V)
+        self._drawn: DraftRun | None = None  # the last proposal's draw
 
     def detach(self) -> None:
         """Stop recording the target's features (the drafter is being dropped)."""
@@ -271,11 +271,11 @@ class HeadDrafter:
             return logits(out[0])
 
         run = draft_tokens(logits(out[0]), step, context, k, sampling, accept,
-                           vocab=self.head.hot_ids_mx if hot else None,
-                           lift=self.head.lift if hot else None)
+                           vocab=self.head.hot_ids_mx if hot else None)
         self.cache.trim(len(context) - 1)
-        self._raw = list(run.logits)
-        return Draft(run.ids, run.logq)
+        self._drawn = run
+        # q over the whole vocabulary, lazily: only the rejection rule reads it
+        return Draft(run.ids, self.head.lift(run.logq) if hot else run.logq)
 
     def propose_tree(self, context: Sequence[int], k: int, extra: int,
                      sampling: SamplingParams | None = None, accept: str = "coupled") -> Draft:
@@ -283,7 +283,7 @@ class HeadDrafter:
         the draft model's; none outside the hot vocabulary)."""
         sampling = sampling or SamplingParams()
         chain = self.propose(context, k, sampling, accept)
-        return with_runner_ups(chain, self._raw, len(context), sampling, accept, extra)
+        return with_runner_ups(chain, self._drawn, len(context), sampling, accept, extra)
 
     def _full_logits(self, out: mx.array) -> mx.array:
         """Output states (1, D) -> logits over the target's vocabulary (1, V)."""

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 
 from engine.cache import model_caches
-from engine.drafters.base import Draft, draft_tokens, sync_cache, with_runner_ups
+from engine.drafters.base import Draft, DraftRun, draft_tokens, sync_cache, with_runner_ups
 from engine.sampling import SamplingParams
 
 
@@ -37,7 +37,7 @@ class ModelDrafter:
         self.n_layers = n_layers
         self.caches = caches if caches is not None else model_caches(model)
         self.cached_ids: list[int] = []
-        self._raw: list[mx.array] = []  # the last proposal's draft logits per depth (1, V)
+        self._drawn: DraftRun | None = None  # the last proposal's draw
 
     def safe_ids(self, ids: mx.array) -> mx.array:
         """Ids the draft's embedding has: a target-only id reads as 0 (it only costs
@@ -66,7 +66,7 @@ class ModelDrafter:
         first = self._forward(mx.array([[context[-1]]]))[-1:]  # (1, V)
         run = draft_tokens(first, lambda tok: self._forward(tok[None])[-1:], context, k,
                            sampling, accept)
-        self._raw = list(run.logits)
+        self._drawn = run
         self.cached_ids = list(context) + list(run.ids[:-1])
         return Draft(run.ids, run.logq)
 
@@ -76,7 +76,7 @@ class ModelDrafter:
         same noise at depths 1..len(RUNNER_UPS) as leaves beside the chain's node there."""
         sampling = sampling or SamplingParams()
         chain = self.propose(context, k, sampling, accept)
-        return with_runner_ups(chain, self._raw, len(context), sampling, accept, extra)
+        return with_runner_ups(chain, self._drawn, len(context), sampling, accept, extra)
 
     def commit(self, context: Sequence[int]) -> None:
         """Hold exactly `context[:-1]`: trim rejected drafts, feed accepted-but-unfed ones."""

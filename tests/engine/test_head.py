@@ -22,7 +22,7 @@ from mlx.utils import tree_flatten
 
 from engine.cache import make_caches
 from engine.decode import ChatSession, GenerateOptions
-from engine.drafters.base import RUNNER_UPS, draft_tokens
+from engine.drafters.base import RUNNER_UPS, DraftRun, draft_tokens, with_runner_ups
 from engine.drafters.head import HeadConfig, HeadDrafter, HeadModel, default_layers
 from engine.drafters.head_io import (
     current_checkpoint,
@@ -367,7 +367,7 @@ def test_head_draws_over_its_hot_vocabulary_the_tokens_the_lifted_rows_give(
 
             assert out is not None
             want = draft_tokens(head.lift(head.logits(out[0])), step, ids, 6, sampling,
-                                accept)
+                                accept)  # over the whole vocabulary
             drafter.cache.trim(len(ids) - 1)
             got = drafter.propose(ids, 6, sampling, accept)
         if len(set(want.ids)) > 1:
@@ -395,6 +395,29 @@ def test_head_trees_add_its_runner_ups_from_the_hot_vocabulary(
     assert extra[1] != chain.ids[0] and extra[2] != chain.ids[0] and extra[0] != chain.ids[1]
     assert tree.logq is not None and tree.logq.shape[0] == len(tree.ids)
     assert refused.parents is None  # the rejection rule verifies chains only
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_head_runner_ups_over_its_columns_are_those_over_the_whole_vocabulary(
+        target: LoadedModel, trained: HeadModel, temperature: float) -> None:
+    """The head's leaves are scored over its hot columns (lifting each depth's row to the
+    vocabulary cost more than the head step): the same leaves and gaps as over the lifted
+    rows. Negative control: columns that are not the run's pick other leaves."""
+    sampling = SamplingParams(temperature=temperature, seed=3)
+    with tapped_drafter(target, trained) as (drafter, ids):
+        chain = drafter.propose(ids, 4, sampling, "coupled")
+        run = drafter._drawn
+    assert run is not None and run.columns is not None
+    assert run.logits[0].shape[-1] == len(trained.hot_ids) < target.model.args.vocab_size
+    lifted = DraftRun(run.ids, trained.lift(run.logq),
+                      tuple(trained.lift(r) for r in run.logits))
+    got = with_runner_ups(chain, run, len(ids), sampling, "coupled", 8)
+    want = with_runner_ups(chain, lifted, len(ids), sampling, "coupled", 8)
+    assert len(got.ids) == 4 + sum(RUNNER_UPS)
+    assert got.ids == want.ids and got.parents == want.parents
+    assert got.gaps == pytest.approx(want.gaps, abs=1e-4)
+    shuffled = DraftRun(run.ids, run.logq, run.logits, run.columns[::-1])
+    assert with_runner_ups(chain, shuffled, len(ids), sampling, "coupled", 8).ids != got.ids
 
 
 def test_head_config_json_round_trip(target: LoadedModel) -> None:

@@ -258,8 +258,8 @@ def test_runner_ups_are_the_next_picks_under_the_same_noise(tmp_path: Path,
     for depth, count in enumerate(RUNNER_UPS, start=1):
         leaves = [j for j in range(K, len(tree)) if tree.depths[j] == depth]
         chosen = [draft.ids[depth - 1]]
-        row = (drafter._raw[depth - 1] if sampling.greedy
-               else log_probs(drafter._raw[depth - 1], sampling))
+        row = (drafter._drawn.logits[depth - 1] if sampling.greedy
+               else log_probs(drafter._drawn.logits[depth - 1], sampling))
         for _ in range(count):
             masked = row.astype(mx.float32)
             for tok in chosen:
@@ -274,7 +274,8 @@ def test_runner_ups_are_the_next_picks_under_the_same_noise(tmp_path: Path,
     if sampling.greedy:
         j = K  # the first leaf: the deepest fork's closest call
         depth = tree.depths[j]
-        lp = np.array(mx.log(mx.softmax(drafter._raw[depth - 1].astype(mx.float32))))[0]
+        row = drafter._drawn.logits[depth - 1].astype(mx.float32)
+        lp = np.array(mx.log(mx.softmax(row)))[0]
         assert draft.gaps[j] == pytest.approx(lp[draft.ids[depth - 1]] - lp[draft.ids[j]],
                                               abs=1e-4)
 
