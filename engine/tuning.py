@@ -37,6 +37,12 @@ OVERHEAD_RANGE = (0.8, 4.0)  # a drafter's factor, clamped
 # less is within the noise of a timing, and a padded pass holds more cache rows
 PAD_MARGIN = 0.05
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
+# ... and a timing of a multi-token width above its running cost counts as at most this
+# much above it: on a shared machine ~1 pass in 10 runs 1.5-2x slow at any width, and one
+# such pass raised a width's price ~20%, so a head that drafts at that width sat out until
+# a probe re-timed it. Width 1 is exempt: plain steps re-time it every step, and its
+# lasting drifts rescale the whole curve (`CostModel._check_anchor`)
+SLOW_CLIP = 0.3
 DRIFT_FRACTION = 0.3  # a timing this far off the table (either way) says the table is stale
 # after a correction, the rest of the table is one live timing's guess: a first timing
 # this much under it refines it (a width's first pass often runs up to ~1.4x slow)
@@ -53,7 +59,11 @@ PROBE_DRAFT_PASSES = 2.0  # a cost probe drafts at most this many target passes'
 USEFUL_REACH = 0.05  # ... and no deeper than its drafts are reached this often
 CONFIRM_TIMINGS = 2  # live timings of a width before probes take the table's word for it
 GUARD_MIN_STEPS = 32  # steps of a drafter before its realized speed can bench it
-GUARD_SLACK = 0.03  # ... once it loses to plain steps by more than this
+GUARD_SLACK = 0.03  # ... once it loses to plain steps by more than this, ...
+# ... judged only while its record is this many steps old at most: a drafter the cost
+# model already keeps off has a frozen record, and plain steps' fresh one, from a fast
+# moment, benched a head that was winning for three replies
+GUARD_FRESH = 2
 REALIZED_DECAY = 0.97  # per step, of the seconds and tokens in a realized speed
 OVERHEAD_DECAY = 0.9  # per step, of the seconds in a step overhead
 # steps after which a benched drafter starts a fresh record: three 128-token replies, so a
@@ -110,7 +120,8 @@ class CostModel:
         The first live timings of a width (until CONFIRM_TIMINGS) replace a table entry
         they undercut by more than DRIFT_FRACTION (that entry was timed some other time,
         or the first timing in a busy moment), and rescale the other untested entries
-        wider than one token by the same ratio; other timings are smoothed. Narrower
+        wider than one token by the same ratio; other timings are smoothed (a slow one
+        clipped to SLOW_CLIP over the running cost). Narrower
         ones too: capping them at the live timing alone would price a 2-token pass like
         the probed 7-token one, so short drafts would stay shut out until each width
         happened to be tried.
@@ -153,6 +164,8 @@ class CostModel:
             self._taken_whole.add(width)
         else:
             self._taken_whole.discard(width)
+        if width > 1:
+            seconds = min(seconds, old * (1 + SLOW_CLIP))
         self.verify_s[width] = old + COST_EMA * (seconds - old)
         self._timings[width] = self._timings.get(width, 0) + 1
         if width == 1:
@@ -405,6 +418,7 @@ class RealizedSpeed(DiscountedRatio):
 
     def __init__(self) -> None:
         super().__init__(REALIZED_DECAY)
+        self.last_step = 0  # the policy's step count at the newest step added
 
     @property
     def seconds_per_token(self) -> float:
@@ -524,6 +538,8 @@ class DraftPolicy:
             self.realized.pop(name, None)
         mine, plain = self.realized.get(name), self.realized.get("none")
         if mine is None or plain is None or mine.steps < GUARD_MIN_STEPS or plain.steps < 2:
+            return False
+        if self.memory.steps - mine.last_step > GUARD_FRESH:
             return False
         if mine.seconds_per_token > plain.seconds_per_token * (1.0 + GUARD_SLACK):
             self.memory.benched[name] = self.memory.steps
@@ -690,7 +706,9 @@ class DraftPolicy:
                 # a cost probe drafts as long as the width it times, not as the policy
                 # would: its seconds per token say nothing of the drafter's steps
                 arm = choice.estimate or choice.drafter or "none"
-                self.realized.setdefault(arm, RealizedSpeed()).add(step_seconds, n_tokens)
+                speed = self.realized.setdefault(arm, RealizedSpeed())
+                speed.add(step_seconds, n_tokens)
+                speed.last_step = self.memory.steps
             if self.costs is not None and width and choice.drafter is not None:
                 # priced at the width it ran at, before this timing corrects the table
                 priced = (self.costs.verify(width, width)

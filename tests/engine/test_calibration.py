@@ -27,7 +27,7 @@ from engine.decode import ChatSession, GenerateOptions
 from engine.loading import load_model
 from engine.models import Model
 from engine.paths import cache_dir
-from engine.tuning import COST_EMA, K_MAX, CostModel, row_budget
+from engine.tuning import COST_EMA, K_MAX, SLOW_CLIP, CostModel, row_budget
 from tests.fixtures.tiny_models import write_tiny_pair
 
 REFERENCE_BLAS = "/opt/venv/site-packages/mlx_cpu.libs/libblas-bd8a282c.so.3.10.0"
@@ -205,8 +205,8 @@ def test_inferred_entries_are_saved_as_such_and_set_by_their_own_pass_next_run(
     save_costs("k", CostModel({1: 0.1, 4: 0.1, 16: 0.2}))
     assert "inferred" not in json.loads(calibration_file().read_text())["k"]
     loaded = load_or_measure_costs("k", lambda: pytest.fail("measured again"))
-    loaded.observe(4, 0.15)
-    assert loaded.table()[4] == pytest.approx(0.1 + COST_EMA * 0.05)
+    loaded.observe(4, 0.15)  # 1.5x the entry: clipped to SLOW_CLIP over it
+    assert loaded.table()[4] == pytest.approx(0.1 * (1 + COST_EMA * SLOW_CLIP))
 
 
 def test_an_entry_under_the_one_row_pass_is_taken_as_an_inference(data_dir: Path) -> None:

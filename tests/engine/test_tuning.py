@@ -15,6 +15,7 @@ from engine.tuning import (
     COST_EMA,
     DRAFT_MARGIN,
     DRIFT_FRACTION,
+    GUARD_FRESH,
     GUARD_MIN_STEPS,
     GUARD_RETRY,
     K_MAX,
@@ -24,6 +25,7 @@ from engine.tuning import (
     PROBE_SHARE,
     PROVEN_MARGIN,
     REFINE_FRACTION,
+    SLOW_CLIP,
     AcceptanceEstimate,
     Choice,
     CostModel,
@@ -81,9 +83,9 @@ def test_cost_curve_follows_every_observed_pass() -> None:
     costs = CostModel({1: 1.0, 4: 4.0})
     assert costs.verify(4) == 4.0 and costs.verify(2) == pytest.approx(2.0)
     costs.observe(4, 4.0)  # a live timing that agrees with the table: width 4 is tested
-    costs.observe(4, 9.0)  # the running cost moves a COST_EMA step towards 9.0
-    assert costs.verify(4) == pytest.approx(4.0 + COST_EMA * 5.0)
-    assert costs.verify(2) == pytest.approx(1.0 + (3.0 + COST_EMA * 5.0) / 3)
+    costs.observe(4, 5.0)  # the running cost moves a COST_EMA step towards 5.0
+    assert costs.verify(4) == pytest.approx(4.0 + COST_EMA * 1.0)
+    assert costs.verify(2) == pytest.approx(1.0 + (3.0 + COST_EMA * 1.0) / 3)
     assert costs.verify(40) > costs.verify(16) > costs.verify(4)  # past the cached widths
 
 
@@ -109,7 +111,10 @@ def test_a_pass_in_a_hump_of_the_curve_is_padded_to_the_cheaper_width() -> None:
     assert costs.pad_width(12, limit=15) == 15  # the cheapest width the budget reaches
     # timings of the padded width correct its price like any other
     costs.observe(16, 1.6)
-    costs.observe(16, 4.0)  # smoothed: 1.6 + COST_EMA * 2.4 = 2.08, above 12's 2.0
+    for _ in range(5):  # each smoothed and clipped: 1.6 * (1 + COST_EMA * SLOW_CLIP) ** 5
+        costs.observe(16, 4.0)
+    assert costs.table()[16] == pytest.approx(1.6 * (1 + COST_EMA * SLOW_CLIP) ** 5)
+    assert costs.table()[16] > 2.0  # above 12's
     assert costs.verify(12) > 1.6 and costs.pad_width(12) == 12
 
 
@@ -548,8 +553,8 @@ def test_an_entry_a_correction_rescaled_is_set_by_its_own_first_pass_either_way(
     # negative control: an entry no correction set (a calibration, a live timing) is
     # only smoothed by a slower first pass, as before
     costs = CostModel({1: TRUE[1], 4: 0.7 * TRUE[4], 16: TRUE[16]})
-    costs.observe(4, TRUE[4])
-    assert costs.table()[4] == pytest.approx(0.7 * TRUE[4] + COST_EMA * 0.3 * TRUE[4])
+    costs.observe(4, TRUE[4])  # 1/0.7 of the entry: clipped to SLOW_CLIP over it
+    assert costs.table()[4] == pytest.approx(0.7 * TRUE[4] * (1 + COST_EMA * SLOW_CLIP))
     assert costs.corrections == [] and costs.inferred == set()
 
 
@@ -579,8 +584,8 @@ def test_a_first_timing_above_the_table_is_smoothed_not_taken_whole() -> None:
     """A slow first pass may be the machine's load: an optimistic entry is corrected by the
     passes the policy keeps making at it, so one timing does not replace it."""
     costs = CostModel({1: 0.100, 8: 0.200, 16: 0.300})
-    costs.observe(8, 0.600)
-    assert costs.verify(8) == pytest.approx(0.200 + COST_EMA * 0.400)
+    costs.observe(8, 0.600)  # and, 3x the entry, counted as SLOW_CLIP over it
+    assert costs.verify(8) == pytest.approx(0.200 * (1 + COST_EMA * SLOW_CLIP))
     assert costs.verify(16) == 0.300 and costs.corrections == []
     assert costs.tested(8)
 
@@ -946,3 +951,50 @@ def test_a_benched_drafter_gets_a_fresh_record_after_the_retry_span() -> None:
         waited += 1
     assert GUARD_RETRY - 2 <= waited < GUARD_RETRY + 1
     assert "head" not in policy.realized  # a fresh record
+
+
+def test_one_slow_pass_does_not_price_a_paying_head_out() -> None:
+    """On a shared machine ~1 pass in 10 runs 1.5-2x slow at any width. One such pass at
+    each width the head drafts at must not raise their prices enough to stop the head (it
+    then stays off: nothing re-times those widths); a lasting slowdown is still followed.
+    Negative control: unclipped, the same passes stop the head."""
+    def after_one_slow_pass(clip: float) -> DraftPolicy:
+        policy = head_policy(0.4)  # ~1.14x plain by the model
+        timed_steps(policy.memory, "head", 1.0, OVERHEAD_MIN_STEPS)
+        assert policy.choose(FRESH).drafter == "head"
+        costs = policy.costs
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("engine.tuning.SLOW_CLIP", clip)
+            for width in (2, 3, 4):  # one slow pass at each width it drafts at
+                costs.observe(width, 2.0 * costs.verify(width))
+        return policy
+
+    policy = after_one_slow_pass(SLOW_CLIP)
+    assert policy.choose(FRESH).drafter == "head"
+    assert after_one_slow_pass(float("inf")).choose(FRESH).drafter is None
+    # a lasting slowdown of one width: followed to within 10% in 12 timings
+    costs = CostModel(dict(HEAD_COSTS))
+    for _ in range(12):
+        costs.observe(4, 2 * HEAD_COSTS[4])
+    assert costs.table()[4] == pytest.approx(2 * HEAD_COSTS[4], rel=0.10)
+
+
+def test_the_guard_judges_a_drafter_only_on_a_fresh_record() -> None:
+    """The head won its steps (7 ms a token against plain's 10), then sat out plain steps
+    that ran in a fast moment (5 ms a token). Its frozen record says nothing of now: it is
+    not benched. Negative control: judged on the stale record, it is."""
+    def after_fast_plain_moment(fresh: int) -> bool:
+        policy = head_policy(0.9)
+        for _ in range(GUARD_MIN_STEPS):
+            policy.memory.steps += 1
+            policy.update(Choice(None, 0), 0, 0, None, None, 0.010, 1)
+            policy.update(Choice("head", 2, "head"), 2, 2, None, None, 0.014, 2)
+        for _ in range(40):
+            policy.memory.steps += 1
+            policy.update(Choice(None, 0), 0, 0, None, None, 0.005, 1)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("engine.tuning.GUARD_FRESH", fresh)
+            return policy._is_benched("head")
+
+    assert after_fast_plain_moment(GUARD_FRESH) is False
+    assert after_fast_plain_moment(10**9) is True
