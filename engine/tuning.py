@@ -38,9 +38,9 @@ OVERHEAD_RANGE = (0.8, 4.0)  # a drafter's factor, clamped
 PAD_MARGIN = 0.05
 COST_EMA = 0.2  # weight of a new timing in the running per-width cost
 # ... and a timing of a multi-token width above its running cost counts as at most this
-# much above it: on a shared machine ~1 pass in 10 runs 1.5-2x slow at any width, and one
-# such pass raised a width's price ~20%, so a head that drafts at that width sat out until
-# a probe re-timed it. Width 1 is exempt: plain steps re-time it every step, and its
+# much above it: on a shared machine ~1 pass in 10 runs 1.5-2x slow at any width, and a
+# few such passes raised a width's price ~20%, so a head that drafts at that width sat out
+# until a probe re-timed it. Width 1 is exempt: plain steps re-time it every step, and its
 # lasting drifts rescale the whole curve (`CostModel._check_anchor`)
 SLOW_CLIP = 0.3
 DRIFT_FRACTION = 0.3  # a timing this far off the table (either way) says the table is stale
