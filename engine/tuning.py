@@ -713,8 +713,12 @@ class DraftPolicy:
                 # priced at the width it ran at, before this timing corrects the table
                 priced = (self.costs.verify(width, width)
                           + choice.k * self.costs.draft_s.get(choice.drafter, 0.0))
-                self.memory.overheads.setdefault(choice.drafter, StepOverhead()).add(
-                    step_seconds, priced)
+                overhead = self.memory.overheads.setdefault(choice.drafter, StepOverhead())
+                # a slow moment counts at most SLOW_CLIP over the factor so far, as a slow
+                # pass does in the cost table: two 2x steps raised a head's factor ~20%,
+                # enough to stop it, and a factor only its own steps move stays there
+                cap = priced * max(overhead.factor, 1.0) * (1 + SLOW_CLIP)
+                overhead.add(min(step_seconds, cap), priced)
         if choice.estimate is not None:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)

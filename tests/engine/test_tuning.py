@@ -998,3 +998,30 @@ def test_the_guard_judges_a_drafter_only_on_a_fresh_record() -> None:
 
     assert after_fast_plain_moment(GUARD_FRESH) is False
     assert after_fast_plain_moment(10**9) is True
+
+
+def test_two_slow_steps_do_not_price_a_paying_head_out_but_a_lasting_cost_does() -> None:
+    """A head's steps timed at their price, then two at 2x (a slow moment on a shared
+    machine): it still drafts, since a step counts at most SLOW_CLIP over the factor so
+    far. Steps lastingly 1.5x their price still raise the factor to it. Negative control:
+    unclipped, the same two steps stop the head, and nothing but its own steps (now
+    rechecks, every 16 steps or more) would move that factor back."""
+    def step(policy: DraftPolicy, factor: float) -> None:
+        priced = policy.costs.verify(3, 3) + 2 * policy.costs.draft_s["head"]
+        policy.update(Choice("head", 2, "head"), 3, 1, None, 3, factor * priced, 2)
+
+    def after_slow_moment(clip: float) -> DraftPolicy:
+        policy = head_policy(0.4)  # ~1.14x plain by the model
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("engine.tuning.SLOW_CLIP", clip)
+            for factor in [1.0] * 10 + [2.0] * 2:
+                step(policy, factor)
+        return policy
+
+    assert after_slow_moment(SLOW_CLIP).choose(FRESH).drafter == "head"
+    assert after_slow_moment(float("inf")).choose(FRESH).drafter is None
+    policy = head_policy(0.4)
+    for _ in range(20):
+        step(policy, 1.5)
+    assert policy.memory.overheads["head"].factor == pytest.approx(1.5, rel=0.05)
+    assert policy.choose(FRESH).drafter is None
