@@ -165,7 +165,7 @@ class CostModel:
         else:
             self._taken_whole.discard(width)
         if width > 1:
-            seconds = min(seconds, old * (1 + SLOW_CLIP))
+            seconds = slow_capped(seconds, old)
         self.verify_s[width] = old + COST_EMA * (seconds - old)
         self._timings[width] = self._timings.get(width, 0) + 1
         if width == 1:
@@ -277,6 +277,13 @@ class CostModel:
         scale = math.exp(self._drift)
         return sorted((w, s * scale if w > 1 and w not in self._timings else s)
                       for w, s in self.verify_s.items())
+
+
+def slow_capped(seconds: float, running: float) -> float:
+    """A timing counted at most SLOW_CLIP over the running figure it updates: a slow moment
+    on a shared machine must not move a price (or a factor) that only its own, now rarer,
+    timings could move back."""
+    return min(seconds, running * (1 + SLOW_CLIP))
 
 
 def row_budget(k: int) -> int:
@@ -717,8 +724,8 @@ class DraftPolicy:
                 # a slow moment counts at most SLOW_CLIP over the factor so far, as a slow
                 # pass does in the cost table: two 2x steps raised a head's factor ~20%,
                 # enough to stop it, and a factor only its own steps move stays there
-                cap = priced * max(overhead.factor, 1.0) * (1 + SLOW_CLIP)
-                overhead.add(min(step_seconds, cap), priced)
+                overhead.add(slow_capped(step_seconds, priced * max(overhead.factor, 1.0)),
+                             priced)
         if choice.estimate is not None:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)
