@@ -27,6 +27,9 @@ def add_parser(sub) -> None:
                    help="seed for the head's initial weights and the order of the data")
     p.add_argument("--hot-vocab", type=int, default=8192,
                    help="size of the head's output vocabulary (the most used tokens)")
+    p.add_argument("--max-data-mb", type=float, default=2048.0,
+                   help="disk the training data may use, in MB (default 2048); reached, "
+                   "the run trains on the data it has")
     p.add_argument("--max-steps", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -57,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     conversations = _history() if args.data == "history" else ()
     options = TrainOptions(minutes=args.minutes, data=args.data, conversations=conversations,
                            hot_vocab=args.hot_vocab, max_steps=args.max_steps,
+                           max_data_mb=args.max_data_mb,
                            fit=replace(FitOptions(), seed=args.seed))
     target = load_model(args.model)  # after the options: a bad flag is said at once
 

@@ -76,7 +76,15 @@ class TrainOptions:
     minutes: float = 60.0
     data: str = "builtin"  # builtin | history | a JSON-lines file
     conversations: tuple[tuple[dict[str, str], ...], ...] = ()  # for data="history"
-    rounds: int = 4  # replies per prompt (each round samples with another seed)
+    # replies per prompt, at most (each round samples with another seed): rounds are made
+    # in turn while the data share of the time lasts, so a long run (an evening, a night)
+    # keeps learning from fresh replies where four rounds ran out in ~45 minutes here and
+    # the rest of the night refit the same 175k tokens
+    rounds: int = 12
+    # megabytes of training data on disk, at most: ~4.8 KB a reply token for the demo (its
+    # three feature layers), far more for a large model, whose features alone would fill a
+    # disk over a night. Reached, the run trains on what it has and says so once
+    max_data_mb: float = 2048.0
     gen_batch: int = 16
     max_new: int = 192
     temperature: float = 0.7
@@ -92,6 +100,9 @@ class TrainOptions:
         if not (isinstance(self.minutes, int | float) and math.isfinite(self.minutes)
                 and self.minutes > 0):
             raise EngineError(f"--minutes must be a positive number, got {self.minutes}")
+        if not (isinstance(self.max_data_mb, int | float) and math.isfinite(self.max_data_mb)
+                and self.max_data_mb > 0):
+            raise EngineError(f"--max-data-mb must be a positive number, got {self.max_data_mb}")
 
 
 @dataclass(frozen=True)
@@ -139,8 +150,9 @@ def resolve_items(options: TrainOptions, recorded: Collection[str] = ()) -> list
     else:
         base = read_items(Path(options.data))
     rounds = 1 if options.data == "history" else max(options.rounds, 1)
+    # a reply read teacher-forced is the same in every round: read once
     return [Item(f"{it.id}#r{r}", it.messages, it.teacher_forced)
-            for r in range(rounds) for it in base]
+            for r in range(rounds) for it in base if r == 0 or not it.teacher_forced]
 
 
 def choose_hot_ids(samples: Sequence[Sample], vocab_size: int, limit: int) -> np.ndarray:
@@ -341,6 +353,8 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
     def data_stats() -> tuple[int, int]:
         return len(samples), sum(s.n_reply for s in samples if not s.heldout)
 
+    data_bytes = sum(f.stat().st_size for f in data_dir.glob("shard-*[0-9]/*"))
+
     # ---- data: at least one batch, then only while a whole batch fits in the data share
     # of the time: with data on hand, a short run trains from it rather than spending all
     # its minutes on one more batch (repeated short runs would never take a step)
@@ -349,6 +363,11 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
         if samples:
             left = budget * options.data_share - elapsed()
             if left <= 0 or (batch_s is not None and batch_s > left):
+                break
+            if data_bytes >= options.max_data_mb * 2**20:
+                warn(f"the training data in {data_dir} has reached its limit of "
+                     f"{options.max_data_mb:,.0f} MB ({data_bytes / 2**20:,.0f} MB); "
+                     f"training on the {len(samples)} replies made")
                 break
         started = elapsed()
         batch, pending = pending[: options.gen_batch], pending[options.gen_batch :]
@@ -383,6 +402,7 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
             raise EngineError(_not_written("training data", data_dir, e,
                                            "the data saved before is kept")) from None
         n_shard += 1
+        data_bytes += sum(f.stat().st_size for f in shard.iterdir())
         batch_s = elapsed() - started
         # only an estimate: without it, the next run makes one batch to measure it again
         with contextlib.suppress(OSError):

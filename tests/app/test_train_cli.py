@@ -66,7 +66,7 @@ def test_minutes_spent_on_data_say_no_head_yet(tiny4: Path, tmp_path: Path,
                  "--data", str(prompts)]) == 0
     captured = capsys.readouterr()
     assert captured.out == ""  # no "head saved"
-    # one batch of replies (16: 6 prompts, 4 rounds), and no "done step 0" line
+    # one batch of replies (16 of 6 prompts x 12 rounds), and no "done step 0" line
     assert "no head yet: the time went to making data (16 replies, kept)" in captured.err
     assert "step" not in captured.err
     root = head_root(tiny4)
@@ -79,6 +79,13 @@ def test_bad_data_file_is_one_line(tiny4: Path, tmp_path: Path) -> None:
     proc = cli("train-drafter", "--model", str(tiny4), "--data", str(bad), "--minutes", "1",
                data_dir=tmp_path / "data")
     assert_one_line_error(proc, "bad.jsonl:1: not valid JSON")
+
+
+def test_a_bad_data_limit_is_one_line(tiny4: Path, tmp_path: Path) -> None:
+    proc = cli("train-drafter", "--model", str(tiny4), "--max-data-mb", "-5", "--minutes", "1",
+               data_dir=tmp_path / "data")
+    assert_one_line_error(proc, "--max-data-mb must be a positive number, got -5.0")
+    assert not (tmp_path / "data").exists() or not list((tmp_path / "data").rglob("shard-*"))
 
 
 def test_chat_learn_records_and_history_trains_from_it(tiny4: Path, tmp_path: Path,

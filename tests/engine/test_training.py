@@ -52,7 +52,7 @@ from engine.training.fit import (
     windows,
 )
 from engine.training.head_init import init_head
-from engine.training.job import TrainOptions, choose_hot_ids, train_drafter
+from engine.training.job import TrainOptions, choose_hot_ids, resolve_items, train_drafter
 from tests.engine.test_online import assert_same_distribution, teacher_forced
 from tests.fixtures.tiny_models import write_tiny_model
 
@@ -495,6 +495,59 @@ def test_checkpoints_never_leave_a_half_written_head(target: LoadedModel,
     assert sorted(p.name for p in (root / "ckpt-0000002").iterdir()) == [
         "config.json", "model.safetensors", "optimizer.safetensors", "trainer.json",
         "training.json"]
+
+
+def _prompt_file(folder: Path) -> Path:
+    """Four prompts to reply to, and one chat whose assistant turn is read as it is."""
+    path = folder / "p.jsonl"
+    rows = [{"id": f"p{i}", "prompt": f"Tell me about number {i}."} for i in range(4)]
+    rows.append({"id": "chat", "messages": [{"role": "user", "content": "Hi"},
+                                            {"role": "assistant", "content": "Hello there."}]})
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def test_each_round_replies_again_but_reads_a_written_reply_once(tmp_path: Path) -> None:
+    got = resolve_items(TrainOptions(data=str(_prompt_file(tmp_path)), rounds=3))
+    ids = [it.id for it in got]
+    # a reply read teacher-forced is the same in every round: once; prompts once a round
+    assert sum(i.endswith(":chat#r0") for i in ids) == 1
+    assert not any(":chat#r" in i and not i.endswith("#r0") for i in ids)
+    assert sorted(i.rsplit("#r", 1)[1] for i in ids if ":p" in i) == ["0"] * 4 + ["1"] * 4 + ["2"] * 4
+    assert TrainOptions().rounds == 12
+
+
+def test_data_rounds_go_on_while_the_time_allows_and_stop_at_the_data_limit(
+        target: LoadedModel, tmp_path: Path) -> None:
+    """A long run keeps making fresh rounds of replies (four rounds ran out in ~45 minutes
+    of an evening's run), until the data on disk reaches `max_data_mb`: then it trains on
+    what it has and says so once."""
+    data = str(_prompt_file(tmp_path))
+    options = TrainOptions(minutes=5, data=data, rounds=3, gen_batch=5, max_new=8,
+                           max_steps=1, checkpoint_every=1, data_share=1.0,
+                           fit=FitOptions(batch_size=2, window=32))
+
+    def run(root: Path, opts: TrainOptions) -> tuple[list, list[str]]:
+        lines: list[str] = []
+        events = list(train_drafter(target, opts, root=root, warn=lines.append))
+        return events, lines
+
+    events, lines = run(tmp_path / "all", options)
+    shards = sorted((tmp_path / "all" / "data").glob("shard-*[0-9]"))
+    assert len(shards) == 3 and lines == []  # the chat once, four prompts a round
+    ids = [m["id"] for sh in shards for m in json.loads((sh / "meta.json").read_text())]
+    assert sorted(i.rsplit("#r", 1)[1] for i in ids) == ["0"] * 5 + ["1"] * 4 + ["2"] * 4
+    assert events[-1].phase == "done" and events[-1].step == 1
+    first = sum(f.stat().st_size for f in shards[0].iterdir()) / 2**20
+
+    # a limit the first shard already passes: one batch, one line, and training goes on
+    events, lines = run(tmp_path / "capped", replace(options, max_data_mb=first / 2))
+    assert len(list((tmp_path / "capped" / "data").glob("shard-*[0-9]"))) == 1
+    assert len(lines) == 1 and "reached its limit" in lines[0]
+    assert str(tmp_path / "capped" / "data") in lines[0]
+    assert events[-1].phase == "done" and events[-1].step == 1
+    with pytest.raises(EngineError, match="--max-data-mb must be a positive number"):
+        TrainOptions(max_data_mb=0)
 
 
 def test_a_job_whose_time_went_to_data_keeps_it_and_writes_no_untrained_head(
