@@ -28,17 +28,21 @@ from engine.drafters.head_io import current_checkpoint, load_head
 from engine.errors import EngineError
 from engine.loading import LoadedModel, load_model
 from engine.training.data import (
+    TOP_K,
     DiskRows,
     Item,
     builtin_items,
     generate_samples,
     generating_samples,
     history_items,
+    host_sample,
+    host_topk_probs,
     load_shard,
     read_items,
     read_positions,
     read_samples,
     save_shard,
+    topk_probs,
 )
 from engine.training.fit import (
     FitOptions,
@@ -91,6 +95,45 @@ def test_generating_in_slices_gives_the_same_samples(target: LoadedModel, sample
             break
     assert len(written) >= 3 and written == sorted(written) and written[0] > 0
     assert [s.tokens.tolist() for s in sliced] == [s.tokens.tolist() for s in samples]
+
+
+def test_host_topk_is_the_device_topk() -> None:
+    """The CPU backend's numpy top-k (MLX's `exp` there is one element at a time) keeps
+    the same ids with the same probabilities as the device's, including -inf columns."""
+    logits = mx.random.normal((3, 5, 4096), key=mx.random.key(7)) * 4
+    logits = mx.where(mx.arange(4096) % 97 == 0, -mx.inf, logits)
+    want_ids, want_p = topk_probs(logits, TOP_K)
+    got_ids, got_p = host_topk_probs(logits, TOP_K)
+    assert got_ids.shape == got_p.shape == (3, 5, TOP_K)
+    assert got_ids.dtype == np.int32 and got_p.dtype == np.float32
+    for b in range(3):
+        assert_same_distribution(got_ids[b], got_p[b], np.array(want_ids[b]),
+                                 np.array(want_p[b]))
+    # negative control: the top 15 plus the 17th is not the same set
+    shifted = np.array(mx.argsort(-logits, axis=-1)[..., 1:TOP_K + 1])
+    with pytest.raises(AssertionError):
+        assert_same_distribution(shifted[0], got_p[0], got_ids[0], got_p[0])
+
+
+def test_host_sampling_draws_from_the_tempered_distribution() -> None:
+    """Frequencies of 40,000 draws (seed fixed) against softmax(logits / T), a total
+    variation under 0.02 chosen in advance (its standard error here is ~0.003); the same
+    seed draws the same tokens. Negative control: the untempered distribution is as far
+    off as the test must notice."""
+    logits = mx.array([[2.0, 1.0, 0.0, -1.0, -mx.inf, 0.5]] * 8)
+    T = 0.7
+    draws: list[int] = []
+    rng = np.random.default_rng(11)
+    for _ in range(5000):
+        draws += host_sample(logits, T, rng)
+    freq = np.bincount(draws, minlength=6) / len(draws)
+    want = np.array(mx.softmax(logits[0] / T))
+    assert freq[4] == 0.0
+    assert 0.5 * np.abs(freq - want).sum() < 0.02
+    untempered = np.array(mx.softmax(logits[0]))
+    assert 0.5 * np.abs(freq - untempered).sum() > 0.02
+    a, b = np.random.default_rng(11), np.random.default_rng(11)
+    assert host_sample(logits, T, a) == host_sample(logits, T, b)
 
 
 def _builtin_rows() -> list[dict]:
