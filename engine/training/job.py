@@ -85,6 +85,10 @@ class TrainOptions:
     # three feature layers), far more for a large model, whose features alone would fill a
     # disk over a night. Reached, the run trains on what it has and says so once
     max_data_mb: float = 2048.0
+    # megabytes the disk keeps free: no batch of replies starts that would leave less (the
+    # checkpoints and the user's other files need room), so a run on a filling disk trains
+    # on what it has instead of ending on a failed write
+    min_free_mb: float = 1024.0
     gen_batch: int = 16
     max_new: int = 192
     temperature: float = 0.7
@@ -103,6 +107,9 @@ class TrainOptions:
         if not (isinstance(self.max_data_mb, int | float) and math.isfinite(self.max_data_mb)
                 and self.max_data_mb > 0):
             raise EngineError(f"--max-data-mb must be a positive number, got {self.max_data_mb}")
+        if not (isinstance(self.min_free_mb, int | float) and math.isfinite(self.min_free_mb)
+                and self.min_free_mb >= 0):
+            raise EngineError(f"min_free_mb must be a number of at least 0, got {self.min_free_mb}")
 
 
 @dataclass(frozen=True)
@@ -354,6 +361,7 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
         return len(samples), sum(s.n_reply for s in samples if not s.heldout)
 
     data_bytes = sum(f.stat().st_size for f in data_dir.glob("shard-*[0-9]/*"))
+    shard_bytes = 0  # the newest batch's size on disk: what the next one will take
 
     # ---- data: at least one batch, then only while a whole batch fits in the data share
     # of the time: with data on hand, a short run trains from it rather than spending all
@@ -368,6 +376,13 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
                 warn(f"the training data in {data_dir} has reached its limit of "
                      f"{options.max_data_mb:,.0f} MB ({data_bytes / 2**20:,.0f} MB); "
                      f"training on the {len(samples)} replies made")
+                break
+            free = shutil.disk_usage(data_dir).free
+            if free < options.min_free_mb * 2**20 + shard_bytes:
+                warn(f"only {free / 2**20:,.0f} MB free under {data_dir}: making no more "
+                     f"training data (a batch takes ~{shard_bytes / 2**20:,.0f} MB, and "
+                     f"{options.min_free_mb:,.0f} MB stay free); training on the "
+                     f"{len(samples)} replies made")
                 break
         started = elapsed()
         batch, pending = pending[: options.gen_batch], pending[options.gen_batch :]
@@ -402,7 +417,8 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
             raise EngineError(_not_written("training data", data_dir, e,
                                            "the data saved before is kept")) from None
         n_shard += 1
-        data_bytes += sum(f.stat().st_size for f in shard.iterdir())
+        shard_bytes = sum(f.stat().st_size for f in shard.iterdir())
+        data_bytes += shard_bytes
         batch_s = elapsed() - started
         # only an estimate: without it, the next run makes one batch to measure it again
         with contextlib.suppress(OSError):

@@ -563,11 +563,11 @@ def test_each_round_replies_again_but_reads_a_written_reply_once(tmp_path: Path)
 def test_data_rounds_go_on_while_the_time_allows_and_stop_at_the_data_limit(
         target: LoadedModel, tmp_path: Path) -> None:
     """A long run keeps making fresh rounds of replies (four rounds ran out in ~45 minutes
-    of an evening's run), until the data on disk reaches `max_data_mb`: then it trains on
-    what it has and says so once."""
+    of an evening's run), until the data on disk reaches `max_data_mb` or the disk would
+    keep less than `min_free_mb` free: then it trains on what it has and says so once."""
     data = str(_prompt_file(tmp_path))
     options = TrainOptions(minutes=5, data=data, rounds=3, gen_batch=5, max_new=8,
-                           max_steps=1, checkpoint_every=1, data_share=1.0,
+                           max_steps=1, checkpoint_every=1, data_share=1.0, min_free_mb=0,
                            fit=FitOptions(batch_size=2, window=32))
 
     def run(root: Path, opts: TrainOptions) -> tuple[list, list[str]]:
@@ -591,6 +591,14 @@ def test_data_rounds_go_on_while_the_time_allows_and_stop_at_the_data_limit(
     assert events[-1].phase == "done" and events[-1].step == 1
     with pytest.raises(EngineError, match="--max-data-mb must be a positive number"):
         TrainOptions(max_data_mb=0)
+
+    # a disk that would keep less free than asked: one batch, one line, training goes on
+    # (asking more than any disk has: the real free space, read as a run reads it)
+    events, lines = run(tmp_path / "full", replace(options, min_free_mb=2.0**40))
+    assert len(list((tmp_path / "full" / "data").glob("shard-*[0-9]"))) == 1
+    assert len(lines) == 1 and "MB free under" in lines[0]
+    assert "making no more training data" in lines[0]
+    assert events[-1].phase == "done" and events[-1].step == 1
 
 
 def test_a_job_whose_time_went_to_data_keeps_it_and_writes_no_untrained_head(
