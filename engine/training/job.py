@@ -78,8 +78,8 @@ class TrainOptions:
     conversations: tuple[tuple[dict[str, str], ...], ...] = ()  # for data="history"
     # replies per prompt, at most (each round samples with another seed): rounds are made
     # in turn while the data share of the time lasts, so a long run (an evening, a night)
-    # keeps learning from fresh replies where four rounds ran out in ~45 minutes here and
-    # the rest of the night refit the same 175k tokens
+    # keeps learning from fresh replies: four rounds (175k tokens) took ~23 minutes of
+    # making here, and every later hour refit them
     rounds: int = 12
     # megabytes of training data on disk, at most: ~4.8 KB a reply token for the demo (its
     # three feature layers), far more for a large model, whose features alone would fill a

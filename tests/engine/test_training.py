@@ -562,8 +562,8 @@ def test_each_round_replies_again_but_reads_a_written_reply_once(tmp_path: Path)
 
 def test_data_rounds_go_on_while_the_time_allows_and_stop_at_the_data_limit(
         target: LoadedModel, tmp_path: Path) -> None:
-    """A long run keeps making fresh rounds of replies (four rounds ran out in ~45 minutes
-    of an evening's run), until the data on disk reaches `max_data_mb` or the disk would
+    """A long run keeps making fresh rounds of replies (four rounds took ~23 minutes of
+    making, and an evening's run refit them after), until the data on disk reaches `max_data_mb` or the disk would
     keep less than `min_free_mb` free: then it trains on what it has and says so once."""
     data = str(_prompt_file(tmp_path))
     options = TrainOptions(minutes=5, data=data, rounds=3, gen_batch=5, max_new=8,
