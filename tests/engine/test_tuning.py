@@ -9,9 +9,11 @@ from itertools import pairwise
 import numpy as np
 import pytest
 
+from engine import tuning
 from engine.drafters.ngram import NgramDrafter
 from engine.tuning import (
     CONFIRM_TIMINGS,
+    COPY_MATCH,
     COST_EMA,
     DRAFT_MARGIN,
     DRIFT_FRACTION,
@@ -408,6 +410,23 @@ def test_a_succeeding_drafter_gets_longer_drafts() -> None:
         choice = policy.choose(FRESH)
         policy.update(choice, choice.k, choice.k)
     assert policy.choose(FRESH).k > first.k
+
+
+def test_lookup_drafts_between_plain_steps_do_not_hold_off_a_recheck() -> None:
+    """A drafter sitting out is rechecked after PROBE_EVERY plain steps, whether or not
+    prompt lookup drafted between them; no sooner after a recheck."""
+    policy = DraftPolicy("auto", ("ngram", "model"), COSTS, ngram_match=ngram_match)
+    policy.estimates["model"] = AcceptanceEstimate(0.0, weight=1e9)  # sits out
+    choices = []
+    for i in range(4 * PROBE_EVERY):
+        choice = policy.choose(REPEATING if i % 2 else FRESH)
+        assert choice.drafter == ("ngram" if i % 2 else None) or choice.recheck
+        policy.update(choice, 0, 0)
+        choices.append(choice)
+    rechecks = [i for i, c in enumerate(choices) if c.recheck]
+    assert all(choices[i].drafter == "model" for i in rechecks)
+    # one per PROBE_EVERY plain steps: lookup's steps between them count for nothing
+    assert len(rechecks) == 2 and rechecks[1] - rechecks[0] == 2 * PROBE_EVERY
 
 
 def test_a_drafter_that_cannot_pay_even_when_right_is_never_probed() -> None:
@@ -892,6 +911,31 @@ def test_a_drafter_whose_steps_take_more_than_priced_stays_out() -> None:
     assert policy.choose(FRESH).drafter is None
     policy.memory.estimates["head"] = AcceptanceEstimate(0.6, weight=1e9)
     assert policy.choose(FRESH).drafter == "head"
+
+
+def test_where_lookup_copies_its_draft_stands_over_a_head(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head whose estimate outranks lookup's still gives way where lookup matched
+    COPY_MATCH tokens and would draft; it drafts where lookup matched one token, matched
+    nothing, or would not draft."""
+    memory = PolicyMemory()
+    memory.estimates["head"] = AcceptanceEstimate(0.9, weight=1e9)
+    timed_steps(memory, "head", 1.0, OVERHEAD_MIN_STEPS)
+    costs = timed(CostModel(dict(HEAD_COSTS), {"head": 0.0005, "ngram": 0.0}))
+    policy = DraftPolicy("auto", ("head", "ngram"), costs, ngram_match=ngram_match,
+                         memory=memory)
+    one_token = [1, 2, 3, 4, 1]  # only the suffix (1,) was seen before
+    assert ngram_match(REPEATING, K_MAX)[1] >= COPY_MATCH > ngram_match(one_token, K_MAX)[1]
+    assert policy.choose(REPEATING).drafter == "ngram"
+    assert policy.choose(one_token).drafter == "head"
+    assert policy.choose(FRESH).drafter == "head"
+    policy.estimates["ngram4"] = AcceptanceEstimate(0.01, weight=1e9)  # copies failing here
+    assert policy.choose(REPEATING).drafter == "head"
+    # negative control: weighed like any drafter, the head's estimate wins the copy
+    del policy.estimates["ngram4"]
+    assert policy.choose(REPEATING).drafter == "ngram"
+    monkeypatch.setattr(tuning, "COPY_MATCH", 10**6)
+    assert policy.choose(REPEATING).drafter == "head"
 
 
 def test_update_times_each_drafting_step_against_its_price() -> None:
