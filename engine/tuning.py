@@ -519,6 +519,13 @@ class DraftPolicy:
                  memory: PolicyMemory | None = None) -> None:
         self.mode = mode
         self.available = tuple(available)
+        # the drafters a step may use, prompt lookup first (where it copies, `COPY_MATCH`,
+        # its draft is not weighed against the others): all `available` ones under "auto";
+        # otherwise the one named, and prompt lookup where it is available beside it (a
+        # reply with a reference text)
+        names = self.available if mode == "auto" else (
+            mode, *(n for n in self.available if n == "ngram" != mode))
+        self.candidates = tuple(sorted(names, key=lambda n: n != "ngram"))
         self.costs = costs
         self.fixed_k = fixed_k
         self.ngram_match = ngram_match
@@ -582,14 +589,6 @@ class DraftPolicy:
         low, high = OVERHEAD_RANGE
         return min(max(mine.factor, low), high), PROVEN_MARGIN
 
-    def _candidates(self) -> tuple[str, ...]:
-        """The drafters a step may use: all `available` ones under "auto"; otherwise the
-        one named, and prompt lookup where it is available beside it (a reply with a
-        reference text)."""
-        if self.mode == "auto":
-            return self.available
-        return (self.mode, *(n for n in self.available if n == "ngram" != self.mode))
-
     def _estimate_key(self, name: str, match_len: int) -> str:
         return f"ngram{min(max(match_len, 1), 4)}" if name == "ngram" else name
 
@@ -600,9 +599,7 @@ class DraftPolicy:
         self.memory.steps += 1
         self._guess = None
         wanted: list[tuple[str, str, int]] = []  # (drafter, estimate key, longest draft)
-        # prompt lookup first: where it copies (`COPY_MATCH`), its draft is not weighed
-        # against the others
-        for name in sorted(self._candidates(), key=lambda n: n != "ngram"):
+        for name in self.candidates:
             limit = self.fixed_k or K_MAX
             match_len = 0
             if name == "ngram" and self.ngram_match is not None:
@@ -642,7 +639,7 @@ class DraftPolicy:
             return best
         self.memory.idle += 1
         if self.memory.idle >= self._recheck_spacing():
-            probe = next((d for d in self._candidates() if self._worth_probing(d)),
+            probe = next((d for d in self.candidates if self._worth_probing(d)),
                          None)
             if probe is not None:
                 self.memory.idle = 0
