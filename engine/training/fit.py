@@ -33,6 +33,11 @@ class FitOptions:
     step_decay: float = 0.8  # weight of step s is decay**(s-1)
     learning_rate: float = 1e-3
     warmup: int = 20
+    # the last part of a bounded run (by time or steps) lowers the rate linearly to
+    # `final_lr` of it: the head a run ends with is the one that drafts, and one still
+    # at the full rate sits on the noise of its last batches (see `cooldown_scale`)
+    cooldown: float = 0.2
+    final_lr: float = 0.02
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
@@ -285,10 +290,13 @@ class Trainer:
             raise ValueError("no training rows: every sample is empty")
         self.lift = np.array(head.lift_index)
         o = options
-        schedule = optim.join_schedules(
+        warm = optim.join_schedules(
             [optim.linear_schedule(o.learning_rate / 20, o.learning_rate, max(o.warmup, 1)),
              lambda _: o.learning_rate], [max(o.warmup, 1)])
-        self.optimizer = optim.AdamW(learning_rate=schedule, weight_decay=o.weight_decay)
+        # set by the job before each step from what is left of its bound (`cooldown_scale`)
+        self.lr_scale = 1.0
+        self.optimizer = optim.AdamW(learning_rate=lambda step: warm(step) * self.lr_scale,
+                                     weight_decay=o.weight_decay)
         self.optimizer.init(head.trainable_parameters())
         self.step = 0
         self.tokens_seen = 0
@@ -343,6 +351,18 @@ class Trainer:
         """Continue from a checkpoint: optimizer moments, step counter, tokens seen."""
         self.optimizer.state = tree_unflatten(list(state.items()))
         self.step, self.tokens_seen = step, tokens_seen
+
+
+def cooldown_scale(left: float, span: float, options: FitOptions) -> float:
+    """The learning rate's factor with `left` of a bound of `span` to go (seconds or
+    steps): 1 until the last `cooldown` of it, then falling linearly to `final_lr`.
+    A warmup-stable-decay schedule rather than a cosine over the whole run: a run is bounded
+    by minutes, not by a step count known in advance, its checkpoints are used as they are
+    written, and a resumed run warms again from where the last one cooled."""
+    tail = options.cooldown * span
+    if tail <= 0 or left >= tail:
+        return 1.0
+    return max(options.final_lr, max(left, 0.0) / tail)
 
 
 def evaluate(head: HeadModel, samples: Sequence[Sample], unroll: int, window: int = 256,

@@ -54,7 +54,7 @@ from engine.training.data import (
     read_samples,
     save_shard,
 )
-from engine.training.fit import FitOptions, Trainer, evaluate
+from engine.training.fit import FitOptions, Trainer, cooldown_scale, evaluate
 from engine.training.head_init import init_head
 from engine.training.heap import lean_memory, release_freed_heap
 from engine.training.locks import exclusive
@@ -470,7 +470,8 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
         nonlocal top1
         top1 = evaluate(head, heldout, options.fit.unroll, options.fit.window)
         history.append({"step": trainer.step, "tokens_seen": trainer.tokens_seen,
-                        "data_tokens": n_tok, "heldout_top1": top1})
+                        "data_tokens": n_tok, "heldout_top1": top1,
+                        "lr": options.fit.learning_rate * trainer.lr_scale})
         name = f"ckpt-{trainer.step:07d}"
         staged = root / f".{name}.tmp"
         try:
@@ -490,10 +491,26 @@ def _run(target, options: TrainOptions, cancel: threading.Event | None,
 
     # ---- train
     start_step = trainer.step
+    train_from = elapsed()
     loss = None
+
+    def lr_scale() -> float:
+        """The cooldown factor of whichever bound ends the run first; by steps it depends
+        on the step alone, so a resumed run keeps the rates of an uninterrupted one."""
+        fit = options.fit
+        scale = cooldown_scale(budget - elapsed(), budget - train_from, fit)
+        if options.max_steps is not None:
+            scale = min(scale, cooldown_scale(options.max_steps - trainer.step,
+                                              options.max_steps, fit))
+        if options.steps is not None:
+            scale = min(scale, cooldown_scale(start_step + options.steps - trainer.step,
+                                              options.steps, fit))
+        return scale
+
     while (not stopped()
            and (options.max_steps is None or trainer.step < options.max_steps)
            and (options.steps is None or trainer.step - start_step < options.steps)):
+        trainer.lr_scale = lr_scale()
         with lean_memory():
             loss = trainer.train_step()
         phase = "train"

@@ -48,6 +48,7 @@ from engine.training.fit import (
     FitOptions,
     Trainer,
     batch_rows,
+    cooldown_scale,
     label_counts,
     loss_fn,
     make_batch,
@@ -399,6 +400,36 @@ def test_loss_falls_on_a_fixed_batch(target: LoadedModel, samples) -> None:
     assert float(loss_fn(head0, batch, 3, 0.8).item()) == pytest.approx(before, rel=1e-5)
 
 
+def test_the_cooldown_lowers_the_rate_over_the_last_part_of_a_bound() -> None:
+    o = FitOptions(cooldown=0.25, final_lr=0.1)
+    # 100 minutes (or steps): full rate until 25 are left, then linear down to the floor
+    got = [cooldown_scale(left, 100.0, o) for left in (100, 30, 25, 20, 12.5, 5, 0, -3)]
+    assert got == pytest.approx([1.0, 1.0, 1.0, 0.8, 0.5, 0.2, 0.1, 0.1])
+    assert cooldown_scale(0.0, 100.0, replace(o, cooldown=0.0)) == 1.0  # no cooldown
+
+
+def test_the_rate_scale_scales_each_update(target: LoadedModel, samples) -> None:
+    """AdamW's first step moves every weight by the rate (times a sign-like term), so at
+    half the scale each weight moves exactly half as far."""
+    V = target.model.args.vocab_size
+    hot = choose_hot_ids(samples, V, 10_000)
+    moved = []
+    for scale in (1.0, 0.5):
+        head = init_head(target.model, hot, LAYERS, 0)
+        before = {k: np.array(v) for k, v in tree_flatten(head.trainable_parameters())}
+        trainer = Trainer(head, samples, FitOptions(batch_size=2, window=32, warmup=1))
+        trainer.lr_scale = scale
+        trainer.train_step()
+        moved.append({k: np.array(v) - before[k]
+                      for k, v in tree_flatten(head.trainable_parameters())})
+    full, half = moved
+    for k in full:
+        assert np.abs(full[k]).max() > 0, k
+        # within float32's rounding of (weight + step) - weight, far below the step's half
+        np.testing.assert_allclose(half[k], 0.5 * full[k], rtol=0,
+                                   atol=0.02 * np.abs(full[k]).max(), err_msg=k)
+
+
 def test_micro_batches_step_as_the_whole_batch(target: LoadedModel, samples) -> None:
     """A batch's gradient summed over one-row micro-batches (so only a row's logits are
     alive at once) is the whole batch's: two steps land on the same weights."""
@@ -526,6 +557,9 @@ def test_cancelled_training_resumes_to_the_same_weights(target: LoadedModel,
     record = json.loads((current_checkpoint(parts) / "training.json").read_text())
     assert record["steps"] == 6 and record["data"] == "builtin"
     assert [h["step"] for h in record["history"]] == [2, 3, 5, 6]
+    # the cooldown goes by the step alone (the last 20% of 6 steps: only the sixth step,
+    # 1 step of a 1.2-step tail left), so the resumed run took the same rates
+    assert [h["lr"] for h in record["history"]] == pytest.approx([1e-3, 1e-3, 1e-3, 1e-3 / 1.2])
 
 
 def test_checkpoints_never_leave_a_half_written_head(target: LoadedModel,
