@@ -626,7 +626,7 @@ class DraftPolicy:
                 best, best_rate = Choice(name, k, key), rate
                 if name == "ngram" and match_len >= COPY_MATCH:
                     break
-        probe = self._cost_probe(wanted, best.k)
+        probe = self._cost_probe(wanted, best.k, pending)
         if probe is not None:
             self.memory.idle = 0
             return probe
@@ -653,7 +653,8 @@ class DraftPolicy:
             return PROBE_EVERY
         return max(PROBE_EVERY, self.memory.recheck_extra / (RECHECK_SHARE * self.costs.verify(1)))
 
-    def _cost_probe(self, wanted: Sequence[tuple[str, str, int]], k: int) -> Choice | None:
+    def _cost_probe(self, wanted: Sequence[tuple[str, str, int]], k: int,
+                    pending: bool = False) -> Choice | None:
         """A draft verified at a width the cost table has not tested, when that width is
         wider than the chosen step's and a probe is due; else None.
 
@@ -675,20 +676,29 @@ class DraftPolicy:
             if self.memory.steps - step < spacing:
                 return None
         widest = max((w for w in range(1, K_MAX + 2) if costs.tested(w)), default=1)
+        # verify passes as cheap as can be: a drafter that could not pay even with them, at
+        # its acceptance so far, needs no probe, since knowing a wide pass is cheap would
+        # not make it draft (a head at ~10% at T = 0.8 lost 4% to such probes; so did
+        # prompt lookup's one-token guesses there, with no head: auto ran x0.94 of plain,
+        # x0.98 without cost probes). Idle probes, not these, find out when a drafter's
+        # acceptance comes back; lookup's estimates learn on every step for free
+        flat = CostModel({1: costs.verify(1)}, overlap_s=costs.overlap_s)
         for name, key, limit in wanted:
             probe_k = limit
-            if name != "ngram":
-                draft_s = costs.draft_s.get(name, 0.0)
-                alpha = self.estimates.get(key, AcceptanceEstimate(0.5)).alpha
+            draft_s = costs.draft_s.get(name, 0.0)
+            alpha = self.estimates.get(key, AcceptanceEstimate(0.5)).alpha
+            if name == "ngram":
+                # judged as `choose` judges lookup: from pending logits its first token
+                # is a guess, and its own measured overhead and margin apply
+                overhead, margin = self._overhead(name)
+                if best_k(alpha, draft_s, flat, probe_k, pending, pending, margin,
+                          overhead)[0] == 0:
+                    continue
+            else:
                 cheap = (PROBE_DRAFT_PASSES * costs.verify(1) / draft_s if draft_s > 0
                          else K_MAX)
                 probe_k = min(limit, max(2, 2 * widest), max(1, int(cheap)),
                               useful_depth(alpha))
-                # a drafter that could not pay even with free verify passes, at its
-                # acceptance so far, needs no probe: knowing a wide pass is cheap would
-                # not make it draft (a head at ~10% at T = 0.8 lost 4% to such probes);
-                # idle probes, not these, find out when its acceptance comes back
-                flat = CostModel({1: costs.verify(1)}, overlap_s=costs.overlap_s)
                 if best_k(alpha, draft_s, flat, probe_k, True)[0] == 0:
                     continue
             if probe_k > k and not costs.confirmed(probe_k + 1):

@@ -799,6 +799,26 @@ def test_a_drafter_failing_at_its_recent_acceptance_gets_no_cost_probes() -> Non
     assert probed(0.5) == 1  # negative control: the same stale table, a drafter that pays
 
 
+def test_a_lookup_guess_that_could_not_pay_gets_no_cost_probes() -> None:
+    """At T = 0.8 without a head, prompt lookup's one-token matches guess the pending token
+    ~10% right: from pending logits (whose overlap a draft gives up) even free wide passes
+    would not pay, yet probing them cost ~4% of chat (auto x0.94, x0.98 without probes).
+    A match length whose record says it would pay is still probed, and so is the same
+    poor guess after a verify pass, where no overlap is lost."""
+    def probed(acceptance: float, pending: bool) -> int:
+        costs = CostModel(dict(STALE), overlap_s=0.2 * STALE[1])
+        policy = DraftPolicy("ngram", ("ngram",), costs, ngram_match=ngram_match)
+        policy.estimates["ngram1"] = AcceptanceEstimate(acceptance, weight=40.0)
+        choice = policy.choose([*REPEATING, 99, 6], pending)  # a one-token match: "6"
+        assert choice.estimate == "ngram1" or choice.drafter is None
+        return int(choice.probe)
+
+    assert probed(0.1, pending=True) == 0
+    assert probed(0.25, pending=True) == 0
+    assert probed(0.7, pending=True) == 1  # negative control: a guess that would pay
+    assert probed(0.25, pending=False) == 1  # ... or no overlap to lose
+
+
 def test_cost_probes_stop_at_the_depth_a_drafter_reaches(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A head right a third of the time reaches its fourth draft 1% of the time: probing
