@@ -224,6 +224,80 @@ def test_a_guessed_pending_token_drafts_only_when_guesses_are_mostly_right() -> 
     assert best_k(0.85, 0.0, CPU_LIKE, pending=True, guessed=True)[0] >= 4
 
 
+def random_tables(n: int, seed: int = 0) -> list[CostModel]:
+    """Cost tables of every shape the policy meets: sparse or dense, rising or with dips
+    (which padding uses), some timed live, some drifted."""
+    rng = np.random.default_rng(seed)
+    tables = []
+    for _ in range(n):
+        widths = {1, *rng.choice(np.arange(2, 40), size=rng.integers(0, 10), replace=False)}
+        base = float(rng.uniform(0.01, 0.1))
+        costs = CostModel({int(w): base * (1 + float(rng.uniform(-0.3, 1.5)) * (w - 1) / 10)
+                           for w in widths}, overlap_s=float(rng.uniform(0, 0.3)) * base)
+        for _ in range(rng.integers(0, 6)):
+            costs.observe(int(rng.choice([*widths, 2, 5, 9])), base * float(rng.uniform(0.5, 2)))
+        tables.append(costs)
+    return tables
+
+
+def test_step_prices_are_each_width_priced_under_its_own_steps_row_budget() -> None:
+    """The list the policy prices every K from, built once per change, is exactly what
+    `verify` says for each width under a K-draft step's row budget."""
+    padded = 0
+    for costs in random_tables(400):
+        want = [costs.verify(w, row_budget(w - 1)) for w in range(K_MAX + 2)]
+        assert costs.step_prices() == want
+        padded += any(costs.pad_width(w, row_budget(w - 1)) != w for w in range(2, K_MAX + 2))
+    assert padded > 40  # the tables exercise padding, so the budgets matter
+
+
+def reference_best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int,
+                     pending: bool, guessed: bool, margin: float,
+                     overhead: float) -> tuple[int, float]:
+    """`best_k` as its docstring defines it, every width priced."""
+    widths = [costs.verify(w, row_budget(w - 1)) for w in range(k_max + 2)]
+    plain = 1.0 / widths[1]
+    extra = costs.overlap_s if pending or guessed else 0.0
+    best = (0, plain)
+    for k in range(1, k_max + 1):
+        tokens, seconds = expected_tokens(alpha, k), (k * draft_s + widths[k + 1]) * overhead
+        if guessed:
+            tokens = alpha * tokens + (1.0 - alpha)
+            seconds = alpha * seconds + (1.0 - alpha) * widths[1]
+        if tokens / (seconds + extra) > best[1]:
+            best = (k, tokens / (seconds + extra))
+    return (0, plain) if best[0] and best[1] < plain * (1.0 + margin) else best
+
+
+def test_best_k_ruling_a_drafter_out_at_one_token_prices_changes_no_answer() -> None:
+    rng = np.random.default_rng(1)
+    drafting = 0
+    for costs in random_tables(2000, seed=1):
+        args = (float(rng.random()), float(rng.choice([0.0, rng.uniform(0, 0.5)])) *
+                costs.verify(1), costs, int(rng.integers(1, K_MAX + 1)), bool(rng.random() < 0.5),
+                bool(rng.random() < 0.5), float(rng.choice([PROVEN_MARGIN, DRAFT_MARGIN])),
+                float(rng.uniform(0.8, 2.0)))
+        got = best_k(*args)
+        assert got == reference_best_k(*args)
+        drafting += got[0] > 0
+    assert 200 < drafting < 1800  # both answers are common: the test sees both paths
+
+
+def test_a_drafter_sitting_out_is_judged_without_pricing_every_width() -> None:
+    """Every plain step re-times width 1, so the whole curve would be rebuilt each step
+    (~0.5 ms of the policy's, which on this CPU the pass pays: `auto` with nothing to
+    draft ran ~5% behind plain decoding). A drafter that cannot pay even at one-token
+    prices is ruled out first."""
+    costs = CostModel(dict(TRUE), {"layerskip": 0.5 * TRUE[1]})
+    policy = DraftPolicy("layerskip", ("layerskip",), costs)
+    policy.estimates["layerskip"] = AcceptanceEstimate(0.2, weight=40.0)
+    costs.observe(1, TRUE[1])
+    assert policy.choose(FRESH).drafter is None
+    assert costs._steps is None
+    policy.estimates["layerskip"] = AcceptanceEstimate(0.9, weight=40.0)  # one that pays
+    assert policy.choose(FRESH).drafter == "layerskip" and costs._steps is not None
+
+
 # ----------------------------------------------------------------------------- acceptance
 
 
