@@ -333,8 +333,7 @@ def _step_prices(raw: list[float]) -> list[float]:
     price of the widths up to it, under that width's own step's row budget."""
     prices = []
     for width in range(K_MAX + 2):
-        limit = max(1, min(row_budget(width - 1), WIDEST_PASS))
-        prices.append(max(raw[pad] for pad in _pads(raw, limit, width)))
+        prices.append(max(raw[pad] for pad in _pads(raw, row_budget(width - 1), width)))
     return prices
 
 
@@ -373,7 +372,8 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
            pending: bool = False, guessed: bool = False,
-           margin: float = DRAFT_MARGIN, overhead: float = 1.0) -> tuple[int, float]:
+           margin: float = DRAFT_MARGIN, overhead: float = 1.0,
+           flat: bool = False) -> tuple[int, float]:
     """The K in [0, k_max] with the highest expected tokens/s, and that rate.
 
     `pending`: the target's logits for the next position are in flight, so drafting first
@@ -382,15 +382,17 @@ def best_k(alpha: float, draft_s: float, costs: CostModel, k_max: int = K_MAX,
     K further tokens are verified only when the guess was right (probability alpha); a
     wrong guess leaves a plain step. `overhead`: what the drafter's steps have been measured
     to take over their price here (`StepOverhead`). Drafting must also beat plain by
-    `margin`, which covers what the model does not see.
+    `margin`, which covers what the model does not see. `flat`: every pass priced as a
+    1-token one, the cheapest verify passes could be.
     """
     one = costs.verify(1)
     extra = costs.overlap_s if pending or guessed else 0.0
     # Every pass priced as a 1-token one first: no width costs less (the curve never
     # falls), so a drafter that cannot pay so is done with, without pricing the widths
     # (the usual answer for a drafter sitting out, every step)
-    if _best_k(alpha, draft_s, None, one, k_max, extra, guessed, margin, overhead)[0] == 0:
-        return 0, 1.0 / one
+    cheapest = _best_k(alpha, draft_s, None, one, k_max, extra, guessed, margin, overhead)
+    if flat or cheapest[0] == 0:
+        return cheapest
     return _best_k(alpha, draft_s, costs.step_prices(), one, k_max, extra, guessed, margin,
                    overhead)
 
@@ -729,13 +731,12 @@ class DraftPolicy:
             if self.memory.steps - step < spacing:
                 return None
         widest = max((w for w in range(1, K_MAX + 2) if costs.tested(w)), default=1)
-        # verify passes as cheap as can be: a drafter that could not pay even with them, at
-        # its acceptance so far, needs no probe, since knowing a wide pass is cheap would
-        # not make it draft (a head at ~10% at T = 0.8 lost 4% to such probes; so did
-        # prompt lookup's one-token guesses there, with no head: auto ran x0.94 of plain,
-        # x0.98 without cost probes). Idle probes, not these, find out when a drafter's
-        # acceptance comes back; lookup's estimates learn on every step for free
-        flat = CostModel({1: costs.verify(1)}, overlap_s=costs.overlap_s)
+        # verify passes as cheap as can be (`best_k`'s `flat`): a drafter that could not pay
+        # even with them, at its acceptance so far, needs no probe, since knowing a wide
+        # pass is cheap would not make it draft (a head at ~10% at T = 0.8 lost 4% to such
+        # probes; without a head there, lookup's one-token guesses set off ~40 probes in
+        # ten chat replies). Idle probes, not these, find out when a drafter's acceptance
+        # comes back; lookup's estimates learn on every step for free
         for name, key, limit in wanted:
             probe_k = limit
             draft_s = costs.draft_s.get(name, 0.0)
@@ -744,15 +745,15 @@ class DraftPolicy:
                 # judged as `choose` judges lookup: from pending logits its first token
                 # is a guess, and its own measured overhead and margin apply
                 overhead, margin = self._overhead(name)
-                if best_k(alpha, draft_s, flat, probe_k, pending, pending, margin,
-                          overhead)[0] == 0:
+                if best_k(alpha, draft_s, costs, probe_k, pending, pending, margin,
+                          overhead, flat=True)[0] == 0:
                     continue
             else:
                 cheap = (PROBE_DRAFT_PASSES * costs.verify(1) / draft_s if draft_s > 0
                          else K_MAX)
                 probe_k = min(limit, max(2, 2 * widest), max(1, int(cheap)),
                               useful_depth(alpha))
-                if best_k(alpha, draft_s, flat, probe_k, True)[0] == 0:
+                if best_k(alpha, draft_s, costs, probe_k, True, flat=True)[0] == 0:
                     continue
             if probe_k > k and not costs.confirmed(probe_k + 1):
                 # `update` prices the probe's pass once it has run
