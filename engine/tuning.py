@@ -69,10 +69,17 @@ GUARD_SLACK = 0.03  # ... once it loses to plain steps by more than this, ...
 GUARD_FRESH = 2
 REALIZED_DECAY = 0.97  # per step, of the seconds and tokens in a realized speed
 OVERHEAD_DECAY = 0.9  # per step, of the seconds in a step overhead
-# steps after which a benched drafter starts a fresh record: three 128-token replies, so a
-# drafter that lost on one kind of text is tried on the next (32 losing steps in 416 cost
-# a few percent, should it lose again)
-GUARD_RETRY = 384
+# steps after which a benched drafter starts a fresh record: one 128-token reply at its
+# first bench, so a drafter that lost on one kind of text is tried on the next, doubling
+# with each bench in a row up to eight replies. A bench on a slow moment or a first
+# reply's warm-up steps then costs one reply, not the three a fixed 384 cost (traced on
+# held-out chat: a head at 48% acceptance benched at step 94 ran x1.12, x1.29-1.36 in the
+# runs around it), while a drafter that keeps losing drafts 32 losing steps in ~1,000
+GUARD_RETRY = 128
+GUARD_RETRY_MAX = 1024
+# a drafter that keeps a fresh record this long without a bench has won its place: its
+# next bench starts from GUARD_RETRY again
+GUARD_CLEAR_STEPS = 128
 
 
 @dataclass
@@ -529,6 +536,7 @@ class PolicyMemory:
         key: AcceptanceEstimate(prior) for key, prior in PRIOR_ACCEPTANCE.items()})
     realized: dict[str, RealizedSpeed] = field(default_factory=dict)
     benched: dict[str, int] = field(default_factory=dict)  # drafter -> step it was benched
+    strikes: dict[str, int] = field(default_factory=dict)  # drafter -> benches in a row
     steps: int = 0
     idle: int = 0
     recheck_extra: float = 0.0  # what the last idle probe cost beyond plain steps (seconds)
@@ -611,7 +619,8 @@ class DraftPolicy:
             return False
         since = self.memory.benched.get(name)
         if since is not None:
-            if self.memory.steps - since < GUARD_RETRY:
+            strikes = self.memory.strikes.get(name, 1)
+            if self.memory.steps - since < min(GUARD_RETRY << (strikes - 1), GUARD_RETRY_MAX):
                 return True
             # another chance on the text at hand: a fresh record (kept, the losing one
             # benched it again at once, before it took a step)
@@ -624,7 +633,10 @@ class DraftPolicy:
             return False
         if mine.seconds_per_token > plain.seconds_per_token * (1.0 + GUARD_SLACK):
             self.memory.benched[name] = self.memory.steps
+            self.memory.strikes[name] = self.memory.strikes.get(name, 0) + 1
             return True
+        if mine.steps >= GUARD_CLEAR_STEPS:
+            self.memory.strikes.pop(name, None)
         return False
 
     def _overhead(self, name: str) -> tuple[float, float]:

@@ -17,6 +17,7 @@ from engine.tuning import (
     COST_EMA,
     DRAFT_MARGIN,
     DRIFT_FRACTION,
+    GUARD_CLEAR_STEPS,
     GUARD_FRESH,
     GUARD_MIN_STEPS,
     GUARD_RETRY,
@@ -1089,6 +1090,37 @@ def test_a_benched_drafter_gets_a_fresh_record_after_the_retry_span() -> None:
         waited += 1
     assert GUARD_RETRY - 2 <= waited < GUARD_RETRY + 1
     assert "head" not in policy.realized  # a fresh record
+
+
+def test_benches_in_a_row_double_and_a_won_place_clears_them() -> None:
+    """A head that keeps losing sits out 128, 256, 512, then 1,024 steps at most between
+    its 32-step retries; one that wins for GUARD_CLEAR_STEPS on a fresh record starts from
+    GUARD_RETRY again, so a later false bench (a slow moment) costs one reply, not eight.
+    Negative control: without the clear, that bench costs the doubled span."""
+    def waits(head_tokens: list[int], clear: int = GUARD_CLEAR_STEPS) -> list[int]:
+        """Steps sat out after each bench; each retry's steps give `head_tokens[i]`
+        tokens (2 wins, 1 loses: it drafts until benched)."""
+        policy, out = head_policy(0.9), []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr("engine.tuning.GUARD_CLEAR_STEPS", clear)
+            for tokens in head_tokens:
+                for _ in range(GUARD_CLEAR_STEPS if tokens == 2 else 10 * GUARD_MIN_STEPS):
+                    policy.memory.steps += 1
+                    policy.update(Choice(None, 0), 0, 0, None, None, 0.010, 1)
+                    policy.update(Choice("head", 2, "head"), 2, 2, None, None, 0.014, tokens)
+                    if policy._is_benched("head"):
+                        break
+                waited = 0
+                while policy._is_benched("head"):
+                    policy.memory.steps += 1
+                    waited += 1
+                out.append(waited)
+        return out
+
+    assert waits([1] * 6) == [128, 256, 512, 1024, 1024, 1024]  # 14 ms a token against 10
+    # losing twice, then winning on a fresh record, then one losing moment
+    assert waits([1, 1, 2, 1]) == [128, 256, 0, 128]
+    assert waits([1, 1, 2, 1], clear=10**9) == [128, 256, 0, 512]
 
 
 def test_one_slow_pass_does_not_price_a_paying_head_out() -> None:
