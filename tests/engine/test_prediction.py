@@ -67,17 +67,23 @@ def test_a_reference_helps_a_reply_that_names_the_draft_model(tmp_path: Path) ->
     session = ChatSession(load_model(str(target)), load_model(str(draft)))
     messages = [{"role": "user", "content": "Hello world! The quick brown fox."}]
 
-    def run(drafter: str, reference: str = "") -> tuple[Finished, set[str]]:
+    def run(drafter: str, reference: str = "") -> tuple[Finished, list[Step]]:
         options = GenerateOptions(max_tokens=40, drafter=drafter, reference=reference,
                                   sampling=SamplingParams(temperature=0.0))
         events = list(session.generate(messages, options))
         assert isinstance(events[-1], Finished)
-        return events[-1], {e.drafter for e in events if isinstance(e, Step)}
+        return events[-1], [e for e in events if isinstance(e, Step)]
+
+    def from_copy(steps: list[Step]) -> int:
+        return sum(s.n_accepted for s in steps if s.drafter == "ngram")
 
     plain, _ = run("none")
-    unaided, unaided_drafters = run("model")
-    helped, helped_drafters = run("model", reference=plain.text)
+    unaided, unaided_steps = run("model")
+    helped, helped_steps = run("model", reference=plain.text)
     assert plain.text == unaided.text == helped.text
-    assert "ngram" not in unaided_drafters  # no reference: only the drafter named
-    assert "ngram" in helped_drafters
-    assert helped.stats.tau >= 2.0 * unaided.stats.tau
+    assert from_copy(unaided_steps) == 0  # no reference: only the drafter named
+    # the copy carries most of the reply. Judged by the tokens its drafts committed: the
+    # draft lengths the policy picks follow live timings, and a slow moment in the full
+    # suite once gave tau 3.6 against 1.9 unaided (5.0-5.7 against 1.1-1.9 when quiet)
+    assert from_copy(helped_steps) >= 0.5 * helped.stats.generated_tokens
+    assert helped.stats.tau > 1.5 * unaided.stats.tau
