@@ -47,14 +47,6 @@ COST_EMA = 0.2  # weight of a new timing in the running per-width cost
 # lasting drifts rescale the whole curve (`CostModel._check_anchor`)
 SLOW_CLIP = 0.3
 DRIFT_FRACTION = 0.3  # a timing this far off the table (either way) says the table is stale
-# ... and one this many times under it, another regime (a BLAS, a weight layout, a machine
-# the table was not timed for): far past what a busy moment or a noisy calibration makes.
-# Only such a miss rescales the other untested entries by its ratio; a smaller one is one
-# noisy timing against another and sets its own width alone. Traced on held-out chat with
-# the head: a 4-row pass at 0.73x a calibration taken minutes before rescaled every
-# untested entry, and the next 12- and 20-row passes ran 2.0x and 2.8x their new prices
-# (in that run the head was benched at step 98: x1.14, x1.29-1.36 in the runs around it)
-STALE_RATIO = 3.0
 # after a correction, the rest of the table is one live timing's guess: a first timing
 # this much under it refines it (a width's first pass often runs up to ~1.4x slow)
 REFINE_FRACTION = 0.15
@@ -98,11 +90,11 @@ class CostModel:
     busy hour) and is corrected by every timed pass. A width timed in this process is
     *tested*. No width is priced above a wider one, since a pass can be padded to the
     wider width (`pad_width`), so one live pass of a wide width caps the price of every
-    stale entry below it, and one STALE_RATIO below the table (a table from another
-    regime) rescales the other untested entries. When width-1 timings, which plain steps
-    take all the time, drift (smoothed) from where the table was anchored by more than
-    DRIFT_FRACTION, the whole curve is rescaled by that ratio and every other width counts
-    as untested again (and gets probed: `DraftPolicy`).
+    stale entry below it, and one far below the table rescales the other untested
+    entries. When width-1 timings, which plain steps take all the time, drift (smoothed)
+    from where the table was anchored by more than DRIFT_FRACTION, the whole curve is
+    rescaled by that ratio and every other width counts as untested again (and gets
+    probed: `DraftPolicy`).
     """
 
     verify_s: dict[int, float]
@@ -126,9 +118,8 @@ class CostModel:
         self._timings: dict[int, int] = {}
         self._anchor = self.verify_s.get(1)  # the width-1 cost the table agrees with
         self._drift = 0.0  # smoothed log(width-1 timing / anchor)
-        # whether a regime correction (STALE_RATIO) has rescaled the untested entries
-        # since the anchor, and the widths whose entry is one live timing taken whole by
-        # such a correction or a refinement after it
+        # whether a live timing has rescaled the untested entries since the anchor, and
+        # the widths whose entry is one live timing taken whole by such a correction
         self._corrected = False
         self._taken_whole: set[int] = set()
         # what live timings changed, for the user: (width, table seconds, live seconds)
@@ -139,18 +130,14 @@ class CostModel:
 
         The first live timings of a width (until CONFIRM_TIMINGS) replace a table entry
         they undercut by more than DRIFT_FRACTION (that entry was timed some other time,
-        or the first timing in a busy moment); other timings are smoothed (a slow one
-        clipped to SLOW_CLIP over the running cost). A miss of STALE_RATIO or more says
-        the table is from another regime (another BLAS, layout or machine), and rescales
-        the other untested multi-token entries by the same ratio, narrower ones too:
-        capping them at the live timing alone would price a 2-token pass like the probed
-        7-token one, so short drafts would stay shut out until each width happened to be
-        tried. A smaller miss is one noisy timing against another (the calibration taken
-        minutes before, in this process): carried to the other widths, it priced 12-row
-        passes at half what they ran, so it sets its own width alone, and the entries a
-        regime correction set (below), which rest on one timing too.
+        or the first timing in a busy moment), and rescale the other untested entries
+        wider than one token by the same ratio; other timings are smoothed (a slow one
+        clipped to SLOW_CLIP over the running cost). Narrower
+        ones too: capping them at the live timing alone would price a 2-token pass like
+        the probed 7-token one, so short drafts would stay shut out until each width
+        happened to be tried.
 
-        A regime correction rests on one timing, and a width's first live pass often runs
+        Such a correction rests on one timing, and a width's first live pass often runs
         slow (up to ~1.4x its steady cost here), which would leave the whole table that
         much high. So until the next anchor rescale, the entries it set (the rescaled
         ones, and its own while timed once) are refined by any first timing more than
@@ -169,15 +156,11 @@ class CostModel:
             if seconds * (1 + margin) < old:
                 self.corrections.append((width, old, seconds))
                 if width > 1:  # untested multi-token entries are likely off the same way
-                    stale = seconds * STALE_RATIO < old
                     for w in self.verify_s:
-                        if w > 1 and w != width and self._unsettled(w) and (
-                                stale or self._set_by_correction(w)):
+                        if w > 1 and w != width and self._unsettled(w):
                             self.verify_s[w] *= seconds / old
                             self.inferred.add(w)
-                    # the table's other entries now rest on this one timing
-                    taken_whole = stale or self._corrected
-                    self._corrected = self._corrected or stale
+                    taken_whole = self._corrected = True
                 old = seconds
             elif width in self.inferred and seconds > old * (1 + REFINE_FRACTION):
                 # an entry another width's timing set, and this width's own first pass
@@ -201,11 +184,6 @@ class CostModel:
         self._raw = None
         self._curves_by_limit.clear()
         self._steps = None
-
-    def _set_by_correction(self, width: int) -> bool:
-        """Whether the entry rests on a regime correction's one timing: that correction
-        rescaled it, or took (or refined) it whole."""
-        return width in self.inferred or width in self._taken_whole
 
     def _unsettled(self, width: int) -> bool:
         """Whether the entry is no live evidence yet: never timed, or one timing that a

@@ -29,7 +29,6 @@ from engine.tuning import (
     PROVEN_MARGIN,
     REFINE_FRACTION,
     SLOW_CLIP,
-    STALE_RATIO,
     AcceptanceEstimate,
     Choice,
     CostModel,
@@ -673,33 +672,6 @@ def test_after_a_fast_correction_each_width_used_once_is_priced_near_its_passes(
 
     assert all(0.85 <= r <= 1.15 for r in after_one_use(True))
     assert all(r <= 0.82 for r in after_one_use(False))
-
-
-def test_a_noise_sized_miss_sets_its_own_width_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Traced on held-out chat with the head: a calibration taken minutes before in a busy
-    moment; a 4-row pass at 0.73x its entry rescaled every untested entry by that ratio,
-    and the next 12- and 20-row passes ran 2.0x and 2.8x their new prices. Now such a
-    miss, one noisy timing against another, sets its own entry alone (narrower widths are
-    capped by it through padding); a miss of STALE_RATIO or more still rescales them all
-    (`test_a_live_pass_between_calibrated_widths_corrects_the_curve_too`)."""
-    busy = {1: 0.045, 2: 0.060, 3: 0.062, 4: 0.078, 6: 0.075, 8: 0.080, 12: 0.095,
-            16: 0.110, 20: 0.135, 32: 0.170}
-    costs = CostModel(dict(busy))
-    costs.observe(4, 0.057)
-    ratio = 0.057 / busy[4]
-    assert ratio < 1 / (1 + DRIFT_FRACTION) and ratio * STALE_RATIO > 1  # noise-sized
-    assert costs.corrections == [(4, busy[4], 0.057)]
-    assert costs.table() == {**busy, 4: 0.057} and costs.inferred == set()
-    assert costs.verify(3) <= 0.062 and costs.verify(12) == pytest.approx(0.095)
-    # nor does the next one, at another width, move it: it is a live timing of its own
-    costs.observe(8, 0.060)
-    assert costs.table() == {**busy, 4: 0.057, 8: 0.060} and costs.inferred == set()
-    # negative control: with every miss counted as another regime (the rule before), the
-    # same 4-row pass prices 12 rows at 0.069 s
-    monkeypatch.setattr("engine.tuning.STALE_RATIO", 1.0)
-    costs = CostModel(dict(busy))
-    costs.observe(4, 0.057)
-    assert costs.verify(12) == pytest.approx(0.095 * ratio) and costs.verify(12) < 0.07
 
 
 def test_a_first_timing_above_the_table_is_smoothed_not_taken_whole() -> None:
