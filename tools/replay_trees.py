@@ -10,13 +10,15 @@ each pass the timed cost of its width, plus `overlap` for a pass the host built 
 machine waited (every draft pass; a pipelined plain step hides its build). The policy sees
 only that clock. Deterministic: the same inputs give the same figures.
 
-What it does not see: other host time, context length's effect on a pass, noise. It
+What it does not see: other host time, context length's effect on a pass, noise, and
+what a tree's pass costs over a chain's of its width unless told (`--tree-cost`: on the
+demo here, step logs put it at 1.06-1.09). It
 predicted +1-6% for trees from one policy idea that gained nothing in real runs, so a
 change it favours still needs `understudy bench`.
 
     python -m tools.replay_trees record OUT.json PROMPTS.jsonl [PROMPTS.jsonl ...]
     python -m tools.replay_trees replay OUT.json [--costs CALIBRATION.json] [--curve CURVE.json]
-                                    [--overlap S]
+                                    [--overlap S] [--tree-cost F]
 
 `record` loads the demo model (or --model) and decodes each prompt plainly; `replay`
 prints, per prompt file, tokens per virtual second and tau for trees and chains.
@@ -75,10 +77,11 @@ class ReplyTarget:
     n_layers = 1
 
     def __init__(self, text: Sequence[int], vocab_size: int, curve: CostModel,
-                 clock: Clock, overlap: float) -> None:
+                 clock: Clock, overlap: float, tree_cost: float = 1.0) -> None:
         self.text = list(text)
         self.args = SimpleNamespace(vocab_size=vocab_size)
         self.curve, self.clock, self.overlap = curve, clock, overlap
+        self.tree_cost = tree_cost
 
     def __call__(self, feed: mx.array, cache=None, mask=None, positions=None, n_layers=None):
         ids = np.array(feed)[0].tolist()
@@ -87,7 +90,9 @@ class ReplyTarget:
         rows = mx.zeros((1, 1, width, 1))
         cache[0].update_and_fetch(rows, rows)
         # each width at its own price (a row budget of `width`: the pass ran unpadded)
-        self.clock.now += self.curve.verify(width, width) + (self.overlap if width > 1 else 0.0)
+        # (a tree's pass, the one with a mask, at `tree_cost` times a chain's)
+        self.clock.now += (self.curve.verify(width, width) * (1.0 if mask is None else self.tree_cost)
+                           + (self.overlap if width > 1 else 0.0))
         seen = None if mask is None else np.array(mask)[:, -width:]
         out = np.full(width, NOT_IN_REPLY, dtype=np.int64)
         for r in range(width):
@@ -102,10 +107,11 @@ class ReplyTarget:
 
 
 def replay_one(item: Recorded, tree: str, memory: PolicyMemory, costs: CostModel,
-               curve: CostModel, vocab_size: int, overlap: float) -> tuple[float, int, int]:
+               curve: CostModel, vocab_size: int, overlap: float,
+               tree_cost: float = 1.0) -> tuple[float, int, int]:
     """(virtual seconds, passes, tokens) of one reply decoded with prompt lookup."""
     clock = Clock()
-    target = ReplyTarget(item.prompt + item.reply, vocab_size, curve, clock, overlap)
+    target = ReplyTarget(item.prompt + item.reply, vocab_size, curve, clock, overlap, tree_cost)
     caches = make_caches(1)
     prefix = mx.zeros((1, 1, len(item.prompt), 1))
     caches[0].update_and_fetch(prefix, prefix)
@@ -125,11 +131,13 @@ def replay_one(item: Recorded, tree: str, memory: PolicyMemory, costs: CostModel
 
 
 def replay(items: Sequence[Recorded], costs_entry: dict, vocab_size: int, overlap: float,
-           curve: dict[int, float] | None = None) -> dict[str, dict[str, float]]:
+           curve: dict[int, float] | None = None,
+           tree_cost: float = 1.0) -> dict[str, dict[str, float]]:
     """Per prompt file: tokens per virtual second and tau for trees ("auto") and chains
     ("off"), each mode with one policy memory across its prompts, as a bench session keeps,
     after one warm-up reply. Passes are charged by `curve` (seconds by width; default: the
-    policy's own starting table, `costs_entry`)."""
+    policy's own starting table, `costs_entry`), a tree's pass at `tree_cost` times its
+    width's price."""
     report: dict[str, dict[str, float]] = {}
     for source in dict.fromkeys(i.source for i in items):
         group = [i for i in items if i.source == source]
@@ -138,10 +146,11 @@ def replay(items: Sequence[Recorded], costs_entry: dict, vocab_size: int, overla
             memory, costs = PolicyMemory(), entry_to_costs(costs_entry)
             # a copy: the policy's table learns from the passes, the charged curve stays
             charged = CostModel(dict(curve or costs.verify_s))
-            replay_one(group[0], tree, memory, costs, charged, vocab_size, overlap)
+            replay_one(group[0], tree, memory, costs, charged, vocab_size, overlap, tree_cost)
             seconds = passes = tokens = 0
             for item in group:
-                s, p, n = replay_one(item, tree, memory, costs, charged, vocab_size, overlap)
+                s, p, n = replay_one(item, tree, memory, costs, charged, vocab_size, overlap,
+                                     tree_cost)
                 seconds, passes, tokens = seconds + s, passes + p, tokens + n
             row[f"{tree}_tps"] = tokens / seconds
             row[f"{tree}_tau"] = tokens / passes
@@ -187,6 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "by, e.g. timed at a reply's context length (default: --costs's table)")
     rep.add_argument("--overlap", type=float, help="seconds a host-built pass waits "
                      "(default: the entry's overlap_s)")
+    rep.add_argument("--tree-cost", type=float, default=1.0, help="what a tree's pass costs "
+                     "over a chain's of the same width (timed here: ~1.06)")
     args = parser.parse_args(argv)
     if args.command == "record":
         rows = record(args.prompts, args.model, args.max_tokens)
@@ -202,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     overlap = args.overlap if args.overlap is not None else float(entry.get("overlap_s", 0.0))
     curve = ({int(w): float(v) for w, v in json.loads(args.curve.read_text()).items()}
              if args.curve else None)
-    report = replay(items, entry, vocab, overlap, curve)
+    report = replay(items, entry, vocab, overlap, curve, args.tree_cost)
     for source, row in report.items():
         print(f"{source:24s} trees {row['auto_tps']:7.1f} tok/s tau {row['auto_tau']:5.2f} | "
               f"chains {row['off_tps']:7.1f} tok/s tau {row['off_tau']:5.2f} | "

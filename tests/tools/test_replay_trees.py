@@ -56,6 +56,12 @@ def test_the_stand_in_answers_rows_on_the_reply_and_charges_the_pass_by_width() 
     feed = mx.array([[7, *tree.ids]])
     logits = target(feed, cache=caches, mask=ancestor_mask(tree, 2))
     assert mx.argmax(logits[0], axis=-1).tolist() == [8, 9, 10, NOT_IN_REPLY]
+    chain_price = CURVE[4] + 0.004  # 4 rows
+    assert clock.now == pytest.approx(chain_price)  # a tree at its width's price ...
+    dear, clock, caches = target_for(text, cached=2)
+    dear.tree_cost = 1.5
+    dear(feed, cache=caches, mask=ancestor_mask(tree, 2))
+    assert clock.now == pytest.approx(1.5 * (chain_price - 0.004) + 0.004)  # ... or above it
     # a width-1 pass is a pipelined plain step: no host build to wait for
     target, clock, caches = target_for(text, cached=2)
     target(mx.array([[7]]), cache=caches)
