@@ -12,9 +12,9 @@ only that clock. Deterministic: the same inputs give the same figures.
 
 What it does not see: other host time, context length's effect on a pass, noise, and
 what a tree's pass costs over a chain's of its width unless told (`--tree-cost`: on the
-demo here, step logs put it at 1.06-1.09). It
-predicted +1-6% for trees from one policy idea that gained nothing in real runs, so a
-change it favours still needs `understudy bench`.
+demo here, step logs put it at 1.06-1.09). It predicted +1-6% for trees from one policy
+idea that gained nothing in real runs, so a change it favours still needs
+`understudy bench`.
 
     python -m tools.replay_trees record OUT.json PROMPTS.jsonl [PROMPTS.jsonl ...]
     python -m tools.replay_trees replay OUT.json [--costs CALIBRATION.json] [--curve CURVE.json]
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep.add_argument("--overlap", type=float, help="seconds a host-built pass waits "
                      "(default: the entry's overlap_s)")
     rep.add_argument("--tree-cost", type=float, default=1.0, help="what a tree's pass costs "
-                     "over a chain's of the same width (timed here: ~1.06)")
+                     "over a chain's of the same width (timed here: 1.06-1.09)")
     args = parser.parse_args(argv)
     if args.command == "record":
         rows = record(args.prompts, args.model, args.max_tokens)
