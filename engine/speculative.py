@@ -244,6 +244,13 @@ def speculative_steps(
             yield RawStep([token], [TokenKind.TARGET], [prob],
                           verify_s=clock() - t_start, drafter="none")
             continue
+        t_caught = t_start
+        if drafter is not None and choice.k > 0:
+            # the drafter first catches its state up on what other steps committed (a
+            # head or a draft model runs over every position since its last step): the
+            # price of having sat out, timed apart from the step's own (`update`)
+            drafter.commit(context)
+            t_caught = clock()
         draft = draft_step(drafter, choice, context, sampling, accept, tree_extra)
         error = ""
         try:
@@ -306,9 +313,9 @@ def speculative_steps(
         # ended at a leaf
         n_branch = n if kinds[-1] is TokenKind.BONUS else n + 1
         # a step that traced timed its kernels' building too: acceptance only
-        pass_s, step_s = ((t_end - t_drafted, t_end - t_start) if traces() == traced
+        pass_s, step_s = ((t_end - t_drafted, t_end - t_caught) if traces() == traced
                           else (None, None))
-        policy.update(choice, n_branch, n, pass_s, width, step_s, n + 1)
+        policy.update(choice, n_branch, n, pass_s, width, step_s, n + 1, t_caught - t_start)
         yield RawStep(ids, kinds, probs, n_drafted=len(shape), n_accepted=n,
                       draft_s=t_drafted - t_start, verify_s=t_end - t_drafted,
                       k=choice.k, drafter=choice.drafter or "none", branches=branches)

@@ -478,8 +478,16 @@ class DiscountedRatio:
 
 
 class RealizedSpeed(DiscountedRatio):
-    """Seconds per committed token of one kind of step, as actually measured: discounted
-    seconds over discounted tokens.
+    """What one kind of step took per committed token, as actually measured: discounted
+    time over discounted tokens, each step's time in width-1 passes of its moment (its
+    seconds over the cost table's width-1 price then).
+
+    Why in passes and not seconds: the guard compares a drafter's record with plain
+    steps', and the two are taken at different moments. On a shared machine a pass swings
+    40-70 ms within a reply: a head that drafted through a slow stretch (66 ms a token,
+    width 1 then priced 65-70 ms) was benched for a whole reply against plain steps' 61 ms
+    from the quiet stretch after it (width 1 at 54 ms). Plain steps time width 1 all the
+    time, so its price follows the machine's load, and a record in its units does not.
 
     Why a ratio of sums and not an average of each step's seconds per token: a drafting
     step's tokens vary (1 to K+1) while its seconds barely do, so the average of ratios
@@ -493,14 +501,14 @@ class RealizedSpeed(DiscountedRatio):
         self.last_step = 0  # the policy's step count at the newest step added
 
     @property
-    def seconds_per_token(self) -> float:
+    def passes_per_token(self) -> float:
         return self.ratio
 
 
 class StepOverhead(DiscountedRatio):
     """What one drafter's steps took (seconds) against what the cost model priced them at:
-    the work per step the model cannot see, such as the drafter catching its cache up
-    after plain steps.
+    the work per step the model cannot see, such as the Python around a verify pass (a
+    drafter's catch-up after sitting out is left out: `DraftPolicy.update`).
 
     Why a factor and not just a margin: a step's seconds hardly depend on luck, so a few
     steps measure it, where tokens per second need many (how many drafts were accepted
@@ -607,11 +615,12 @@ class DraftPolicy:
         return self.memory.realized
 
     def _is_benched(self, name: str) -> bool:
-        """A drafter (for prompt lookup: a matched length) whose real seconds per token lose
-        to plain steps sits out a while.
+        """A drafter (for prompt lookup: a matched length) whose real time per token loses
+        to plain steps (both in width-1 passes of their moments: `RealizedSpeed`) sits
+        out a while.
 
-        The cost model cannot see everything (Python overhead, cache catch-up, a busy
-        machine); this guard judges by what the steps actually took.
+        The cost model cannot see everything (Python overhead, a drafter's own work per
+        step); this guard judges by what the steps actually took.
         """
         if self.fixed_k is not None or name.startswith("ngram"):
             # prompt lookup costs nothing to ask and its worth swings with the text; its
@@ -631,7 +640,7 @@ class DraftPolicy:
             return False
         if self.memory.steps - mine.last_step > GUARD_FRESH:
             return False
-        if mine.seconds_per_token > plain.seconds_per_token * (1.0 + GUARD_SLACK):
+        if mine.passes_per_token > plain.passes_per_token * (1.0 + GUARD_SLACK):
             self.memory.benched[name] = self.memory.steps
             self.memory.strikes[name] = self.memory.strikes.get(name, 0) + 1
             return True
@@ -798,16 +807,27 @@ class DraftPolicy:
 
     def update(self, choice: Choice, n_drafted: int, n_accepted: int,
                seconds: float | None = None, width: int | None = None,
-               step_seconds: float | None = None, n_tokens: int = 0) -> None:
+               step_seconds: float | None = None, n_tokens: int = 0,
+               catchup_s: float = 0.0) -> None:
         """Record a step's outcome: acceptance, the measured cost of its target pass (when it
-        says something about that width) and the whole step's seconds per committed token."""
+        says something about that width) and the whole step's seconds per committed token.
+
+        `catchup_s`: what the drafter took, before the step, to catch up on positions other
+        steps committed (not in `step_seconds`). It is what sitting out cost, so only a
+        recheck's price counts it. In the step's own figures it kept a head out for good:
+        after ~100 plain steps a head runs over every one of them first (~20 ms here,
+        nearly half a pass), so each recheck timed 1.3-1.5x its price, the overhead factor
+        stayed there, and the head sat out the rest of the run (on the bundled chat
+        prompts, 2-3% of steps drafted in such runs, x1.03-1.08)."""
         if step_seconds is not None and n_tokens:
             if not choice.probe:
                 # a cost probe drafts as long as the width it times, not as the policy
                 # would: its seconds per token say nothing of the drafter's steps
                 arm = choice.estimate or choice.drafter or "none"
                 speed = self.realized.setdefault(arm, RealizedSpeed())
-                speed.add(step_seconds, n_tokens)
+                # in width-1 passes of the moment, before this step's timing moves it
+                unit = self.costs.verify(1) if self.costs is not None else 1.0
+                speed.add(step_seconds / unit, n_tokens)
                 speed.last_step = self.memory.steps
             if self.costs is not None and width and choice.drafter is not None:
                 # priced at the width it ran at, before this timing corrects the table
@@ -824,7 +844,7 @@ class DraftPolicy:
                 n_drafted, n_accepted)
         if choice.recheck and step_seconds is not None and self.costs is not None:
             self.memory.recheck_extra = max(
-                step_seconds - max(n_tokens, 1) * self.costs.verify(1), 0.0)
+                step_seconds + catchup_s - max(n_tokens, 1) * self.costs.verify(1), 0.0)
         if choice.probe and seconds is None:
             # its pass went untimed (it built kernels for a new shape): it tested nothing,
             # so it must not hold the next probe off for PROBE_EVERY steps of a table

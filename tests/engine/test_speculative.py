@@ -602,3 +602,84 @@ def test_a_plain_step_after_the_consumer_paused_the_loop_is_not_timed(
         assert policy.timings == [None] * 6
     else:  # negative control: handed over at once, so every later step is timed
         assert all(t is not None and t > 0 for t in policy.timings[1:])
+
+
+class VirtualClock:
+    """Seconds that pass only where a test says so."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CatchingUp(NgramDrafter):
+    """Prompt lookup standing in for a head: bringing its state up to the context costs one
+    virtual second a position it has not seen."""
+
+    def __init__(self, clock: VirtualClock) -> None:
+        super().__init__(min_n=1)
+        self.clock, self.seen = clock, 0
+
+    def commit(self, context: Sequence[int]) -> None:
+        self.clock.now += max(len(context) - self.seen, 0)
+        self.seen = len(context)
+
+
+class DraftAfterPlainPolicy:
+    """Plain steps, then prompt lookup twice; records what `update` is told."""
+
+    costs = None
+
+    def __init__(self, plain: int) -> None:
+        self.memory = PolicyMemory()
+        self.plain, self.calls = plain, 0
+        self.drafted: list[tuple[float | None, float, int]] = []
+
+    def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
+        self.calls += 1
+        return Choice("ngram", 2, "ngram2") if self.calls > self.plain else Choice(None, 0)
+
+    def observe(self, token: int, branched: bool = False) -> bool:
+        return True
+
+    def update(self, choice: Choice, n_drafted: int, n_accepted: int,
+               seconds: float | None = None, width: int | None = None,
+               step_seconds: float | None = None, n_tokens: int = 0,
+               catchup_s: float = 0.0) -> None:
+        if choice.drafter is not None:
+            self.drafted.append((step_seconds, catchup_s, n_tokens))
+
+
+def test_a_drafters_catch_up_after_sitting_out_is_timed_apart_from_its_step(
+        target: LoadedModel) -> None:
+    """A drafter that sat out plain steps first runs over every position they committed:
+    that is reported as `catchup_s`, not in the step's seconds. The step's own seconds keep
+    its commit after the pass (its accepted tokens), and the next step, caught up, reports
+    no catch-up (the negative control)."""
+    model = target.model
+    vocab = model.args.vocab_size
+
+    def drafted_after_plain_steps() -> list[tuple[float | None, float, int]]:
+        context = [*range(vocab), *range(vocab)]  # every token has occurred: lookup matches
+        caches = make_caches(model.n_layers)
+        *_, (_, logits) = prefill(model, context, caches, 512)
+        clock = VirtualClock()
+        drafter = CatchingUp(clock)
+        drafter.seen = len(context)
+        policy = DraftAfterPlainPolicy(plain=5)
+        steps = speculative_steps(model, caches, context, logits, SamplingParams(),
+                                  "coupled", {"ngram": drafter}, policy, tree="off",
+                                  clock=clock)
+        while len(policy.drafted) < 2:
+            next(steps)
+        return policy.drafted
+
+    drafted_after_plain_steps()  # a pass that builds a kernel is not timed: build them
+    (first_s, first_catchup, first_tokens), (second_s, second_catchup, second_tokens) = \
+        drafted_after_plain_steps()
+    assert first_catchup >= 5  # the plain steps' tokens, and the pending one
+    assert first_s == first_tokens  # its own commit only: one second a committed token
+    assert second_catchup == 0
+    assert second_s == second_tokens

@@ -21,6 +21,7 @@ from engine.tuning import (
     GUARD_FRESH,
     GUARD_MIN_STEPS,
     GUARD_RETRY,
+    GUARD_SLACK,
     K_MAX,
     OVERHEAD_MIN_STEPS,
     PAD_MARGIN,
@@ -1041,13 +1042,26 @@ def test_update_times_each_drafting_step_against_its_price() -> None:
     assert policy.memory.overheads["head"].factor == pytest.approx(0.0143 / (0.0128 + 0.001))
 
 
+def test_a_catch_up_prices_the_recheck_not_the_drafters_steps() -> None:
+    """A recheck whose head first caught up on 100 plain steps' positions: its step, timed
+    at its price, leaves the overhead factor at 1 and the realized record at the step's
+    own time; the recheck's price (which spaces the next one) counts the catch-up too."""
+    policy = head_policy(0.4)
+    priced = policy.costs.verify(3, 3) + 2 * policy.costs.draft_s["head"]
+    policy.update(Choice("head", 2, "head", recheck=True), 2, 1, None, 3, priced, 2, 0.02)
+    assert policy.memory.overheads["head"].factor == pytest.approx(1.0)
+    unit = policy.costs.verify(1)
+    assert policy.realized["head"].passes_per_token == pytest.approx(priced / unit / 2)
+    assert policy.memory.recheck_extra == pytest.approx(priced + 0.02 - 2 * unit)
+
+
 def test_realized_speed_is_seconds_over_tokens_not_a_mean_of_ratios() -> None:
     """Steps of equal seconds and 1 or 3 tokens: 2 tokens a step on average, so half the
     seconds per token, where a mean of the steps' ratios says 2/3."""
     speed = RealizedSpeed()
     for i in range(40):
         speed.add(1.0, 1 if i % 2 else 3)
-    assert speed.seconds_per_token == pytest.approx(0.5, rel=0.06)
+    assert speed.passes_per_token == pytest.approx(0.5, rel=0.06)
 
 
 def test_the_guard_benches_a_drafter_whose_steps_lose_to_plain_ones() -> None:
@@ -1168,6 +1182,33 @@ def test_the_guard_judges_a_drafter_only_on_a_fresh_record() -> None:
 
     assert after_fast_plain_moment(GUARD_FRESH) is False
     assert after_fast_plain_moment(10**9) is True
+
+
+def test_the_guard_compares_a_slow_stretch_with_a_quiet_one_in_passes_of_each() -> None:
+    """The head drafts through a slow stretch (every pass 1.5x) at 0.85x plain's time a
+    token there, then sits out quiet plain steps, then rechecks once: it won, and is not
+    benched. Negative control: the same steps' records in seconds bench it."""
+    policy = head_policy(0.9)
+    raw = {"head": RealizedSpeed(), "none": RealizedSpeed()}  # the same steps in seconds
+
+    def step(choice: Choice, seconds: float, tokens: int, width: int) -> None:
+        policy.memory.steps += 1
+        name = choice.drafter or "none"
+        raw[name].add(seconds, tokens)
+        raw[name].last_step = policy.memory.steps
+        policy.update(choice, 2 if choice.drafter else 0, tokens - 1, seconds, width,
+                      seconds, tokens)
+
+    head = Choice("head", 2, "head")
+    for _ in range(GUARD_MIN_STEPS + 8):  # slow: plain 15 ms a token, the head 12.75
+        step(Choice(None, 0), 0.015, 1, 1)
+        step(head, 0.0255, 2, 3)
+    for _ in range(40):  # quiet plain steps, 10 ms
+        step(Choice(None, 0), 0.010, 1, 1)
+    step(head, 0.017, 2, 3)  # a recheck in the quiet: 8.5 ms a token
+    assert raw["head"].passes_per_token > raw["none"].passes_per_token * (1 + GUARD_SLACK)
+    assert policy.realized["head"].passes_per_token < policy.realized["none"].passes_per_token
+    assert policy._is_benched("head") is False
 
 
 def test_two_slow_steps_do_not_price_a_paying_head_out_but_a_lasting_cost_does() -> None:
