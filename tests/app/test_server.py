@@ -440,7 +440,8 @@ def test_full_queue_gets_429_with_retry_after(serve, card: ModelCard) -> None:
     running.close()
     waiting.close()
     wait_idle(server)
-    ok = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=2)
+    ok = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=2,
+                                        temperature=0)
     assert ok.usage.completion_tokens == 2  # room again once the engine ended both
 
 
@@ -503,8 +504,8 @@ def test_api_key_required_and_compared(serve, card: ModelCard,
     status, body = raw(server, "GET", "/v1/models", None, {})
     assert status == 401 and body["error"]["code"] == "invalid_api_key"
     right = openai.OpenAI(base_url=server.url, api_key="sekret-key", max_retries=0)
-    assert right.chat.completions.create(model=card.id, messages=HELLO,
-                                         max_tokens=2).usage.completion_tokens == 2
+    assert right.chat.completions.create(model=card.id, messages=HELLO, max_tokens=2,
+                                         temperature=0).usage.completion_tokens == 2
     assert "sekret-key" not in caplog.text
 
 
@@ -540,7 +541,8 @@ def test_browser_pages_may_call_only_when_their_origin_is_allowed(serve, card: M
     assert status == 400 and "access-control-allow-origin" not in headers
     url = urlsplit(server.url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
-    body = json.dumps({"model": card.id, "messages": HELLO, "max_tokens": 2})
+    body = json.dumps({"model": card.id, "messages": HELLO, "max_tokens": 2,
+                       "temperature": 0})
     conn.request("POST", "/v1/chat/completions", body=body,
                  headers={"Origin": page, "Authorization": "Bearer k",
                           "Content-Type": "application/json"})
@@ -603,7 +605,8 @@ def test_serve_command_serves_then_stops_cleanly_on_ctrl_c(engine) -> None:
                 break
         assert found, "".join(lines)
         client = openai.OpenAI(base_url=found.group(1), api_key="sekret-key", max_retries=0)
-        reply = client.chat.completions.create(model="target", messages=HELLO, max_tokens=3)
+        reply = client.chat.completions.create(model="target", messages=HELLO, max_tokens=3,
+                                               temperature=0)
         assert reply.usage.completion_tokens == 3
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="target", messages=HELLO, n=2)
@@ -760,7 +763,8 @@ def test_bad_input_gets_an_error_object(serve, card: ModelCard, name: str, path:
     assert jobs(server).in_flight == 0
     # and the server keeps serving
     ok, good = raw(server, "POST", "/v1/chat/completions",
-                   _chat(model=card.id, max_tokens=1), {"Content-Type": "application/json"})
+                   _chat(model=card.id, max_tokens=1, temperature=0),
+                   {"Content-Type": "application/json"})
     assert ok == 200 and good["usage"]["completion_tokens"] == 1
 
 
@@ -876,7 +880,7 @@ def test_a_plain_text_response_format_is_accepted(client: openai.OpenAI,
                                                   card: ModelCard) -> None:
     """{"type": "text"} asks for what every reply here is: no reason to refuse it."""
     reply = client.chat.completions.create(model=card.id, messages=HELLO, max_tokens=3,
-                                           response_format={"type": "text"})
+                                           temperature=0, response_format={"type": "text"})
     assert reply.usage.completion_tokens == 3
 
 
