@@ -32,6 +32,7 @@ from engine.speculative import speculative_steps, step_kinds
 from engine.steps import prefill
 from engine.tuning import EXTRA_NODES, Choice, PolicyMemory
 from tests.fixtures.tiny_models import write_tiny_model, write_tiny_pair
+from tools.replay_trees import Clock
 
 DRAFTERS = ("ngram", "model", "layerskip", "auto")
 SAMPLINGS = (
@@ -604,21 +605,11 @@ def test_a_plain_step_after_the_consumer_paused_the_loop_is_not_timed(
         assert all(t is not None and t > 0 for t in policy.timings[1:])
 
 
-class VirtualClock:
-    """Seconds that pass only where a test says so."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class CatchingUp(NgramDrafter):
     """Prompt lookup standing in for a head: bringing its state up to the context costs one
     virtual second a position it has not seen."""
 
-    def __init__(self, clock: VirtualClock) -> None:
+    def __init__(self, clock: Clock) -> None:
         super().__init__(min_n=1)
         self.clock, self.seen = clock, 0
 
@@ -665,7 +656,7 @@ def test_a_drafters_catch_up_after_sitting_out_is_timed_apart_from_its_step(
         context = [*range(vocab), *range(vocab)]  # every token has occurred: lookup matches
         caches = make_caches(model.n_layers)
         *_, (_, logits) = prefill(model, context, caches, 512)
-        clock = VirtualClock()
+        clock = Clock()
         drafter = CatchingUp(clock)
         drafter.seen = len(context)
         policy = DraftAfterPlainPolicy(plain=5)
