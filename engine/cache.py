@@ -193,8 +193,14 @@ def rows_in_place(keep: Sequence[int]) -> int:
 
 def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading ids `a` and `b` have in common: how much of a cache holding `a`
-    a prompt `b` can reuse."""
+    a prompt `b` can reuse.
+
+    Whole prefixes are compared in C first: a drafter's commit asks this every drafting
+    step about contexts that almost always agree, and the loop below takes ~70 us over
+    1,500 ids (the slices' compare ~6)."""
     n, limit = 0, min(len(a), len(b))
+    if isinstance(a, list | tuple) and type(a) is type(b) and a[:limit] == b[:limit]:
+        return limit
     while n < limit and a[n] == b[n]:
         n += 1
     return n
