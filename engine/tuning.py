@@ -546,8 +546,13 @@ class PolicyMemory:
     benched: dict[str, int] = field(default_factory=dict)  # drafter -> step it was benched
     strikes: dict[str, int] = field(default_factory=dict)  # drafter -> benches in a row
     steps: int = 0
-    idle: int = 0
-    recheck_extra: float = 0.0  # what the last idle probe cost beyond plain steps (seconds)
+    # per drafter: plain steps since it last drafted or was rechecked, and what its last
+    # recheck cost beyond plain steps committing the same tokens (seconds). Kept apart:
+    # shared, the first drafter in line (layer-skip, whose rechecks are costly and useless
+    # on chat) took every recheck and its price spaced them, so a trained head sitting out
+    # was looked at again only while layer-skip was benched, every 100-200 steps
+    idle: dict[str, int] = field(default_factory=dict)
+    recheck_extra: dict[str, float] = field(default_factory=dict)
     # the last cost probe: its step, and what its pass cost beyond a plain one once timed
     cost_probe: tuple[int, float] | None = None
     # per drafter: how often a draft tree's runner-up won where its first child lost
@@ -704,30 +709,36 @@ class DraftPolicy:
                     break
         probe = self._cost_probe(wanted, best.k, pending)
         if probe is not None:
-            self.memory.idle = 0
+            self.memory.idle[probe.drafter] = 0
             return probe
+        idle = self.memory.idle
         if best.drafter is not None:
-            if best.drafter != "ngram":
-                # lookup's steps say nothing of the others sitting out: they would hold
-                # their rechecks off (on chat, where lookup drafts every few steps, a head
-                # whose estimate had dipped sat out 300 steps without one)
-                self.memory.idle = 0
+            # its step is as good as a recheck. Lookup's steps hold no one's off: on chat,
+            # where lookup drafts every few steps, a head whose estimate had dipped sat
+            # out 300 steps without one
+            idle[best.drafter] = 0
             return best
-        self.memory.idle += 1
-        if self.memory.idle >= self._recheck_spacing():
-            probe = next((d for d in self.candidates if self._worth_probing(d)),
-                         None)
-            if probe is not None:
-                self.memory.idle = 0
-                return Choice(probe, 2, probe, recheck=True)
+        # the drafter most overdue for a recheck, each spaced by its own price
+        due, most = None, 1.0
+        for name in self.candidates:
+            if name == "ngram":
+                continue
+            idle[name] = idle.get(name, 0) + 1
+            overdue = idle[name] / self._recheck_spacing(name)
+            if overdue >= most and self._worth_probing(name):
+                due, most = name, overdue
+        if due is not None:
+            idle[due] = 0
+            return Choice(due, 2, due, recheck=True)
         return best
 
-    def _recheck_spacing(self) -> float:
-        """Idle steps before the next recheck of a drafter sitting out: PROBE_EVERY, or
-        more where the last recheck cost so much that they would take over RECHECK_SHARE."""
+    def _recheck_spacing(self, name: str) -> float:
+        """Idle steps before the next recheck of `name` sitting out: PROBE_EVERY, or more
+        where its last recheck cost so much that they would take over RECHECK_SHARE."""
         if self.costs is None:
             return PROBE_EVERY
-        return max(PROBE_EVERY, self.memory.recheck_extra / (RECHECK_SHARE * self.costs.verify(1)))
+        extra = self.memory.recheck_extra.get(name, 0.0)
+        return max(PROBE_EVERY, extra / (RECHECK_SHARE * self.costs.verify(1)))
 
     def _cost_probe(self, wanted: Sequence[tuple[str, str, int]], k: int,
                     pending: bool = False) -> Choice | None:
@@ -843,7 +854,7 @@ class DraftPolicy:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)
         if choice.recheck and step_seconds is not None and self.costs is not None:
-            self.memory.recheck_extra = max(
+            self.memory.recheck_extra[choice.drafter] = max(
                 step_seconds + catchup_s - max(n_tokens, 1) * self.costs.verify(1), 0.0)
         if choice.probe and seconds is None:
             # its pass went untimed (it built kernels for a new shape): it tested nothing,

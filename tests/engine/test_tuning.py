@@ -505,6 +505,38 @@ def test_lookup_drafts_between_plain_steps_do_not_hold_off_a_recheck() -> None:
     assert len(rechecks) == 2 and rechecks[1] - rechecks[0] == 2 * PROBE_EVERY
 
 
+def test_each_drafter_sitting_out_is_rechecked_on_its_own_schedule() -> None:
+    """Layer-skip, first in line, rechecks at two passes beyond plain steps; a head at a
+    sixth of one. Each keeps its own spacing: the head is looked at every PROBE_EVERY idle
+    steps, layer-skip every ~200. With one shared count and price, layer-skip took every
+    recheck and spaced them, and the head got none while layer-skip was not benched."""
+    def rechecks(head_s: float, steps: int = 400) -> dict[str, list[int]]:
+        memory = PolicyMemory()
+        for name in ("layerskip", "head"):
+            memory.estimates[name] = AcceptanceEstimate(0.0, weight=1e9)  # both sit out
+        costs = timed(CostModel({1: 0.010, 16: 0.011}, {"layerskip": 0.001, "head": 0.0005}))
+        policy = DraftPolicy("auto", ("layerskip", "head"), costs, memory=memory)
+        seen: dict[str, list[int]] = {"layerskip": [], "head": []}
+        for i in range(steps):
+            choice = policy.choose(FRESH)
+            if choice.recheck:
+                seen[choice.drafter].append(i)
+                seconds = 0.030 if choice.drafter == "layerskip" else head_s
+                policy.update(choice, 2, 0, seconds, 3, seconds, 1)
+            else:
+                assert choice.drafter is None
+                policy.update(choice, 0, 0, 0.010, 1, 0.010, 1)
+        return seen
+
+    seen = rechecks(0.0115)
+    assert len(seen["layerskip"]) <= 3
+    head_gaps = [b - a for a, b in pairwise(seen["head"])]
+    assert len(seen["head"]) >= 20 and max(head_gaps) <= PROBE_EVERY + 1
+    # negative control: a head whose rechecks cost what layer-skip's do is spaced as far
+    costly = rechecks(0.030)
+    assert min(b - a for a, b in pairwise(costly["head"])) >= 150
+
+
 def test_a_drafter_that_cannot_pay_even_when_right_is_never_probed() -> None:
     def probes(draft_s: float) -> int:
         policy = DraftPolicy("layerskip", ("layerskip",),
@@ -1052,7 +1084,7 @@ def test_a_catch_up_prices_the_recheck_not_the_drafters_steps() -> None:
     assert policy.memory.overheads["head"].factor == pytest.approx(1.0)
     unit = policy.costs.verify(1)
     assert policy.realized["head"].passes_per_token == pytest.approx(priced / unit / 2)
-    assert policy.memory.recheck_extra == pytest.approx(priced + 0.02 - 2 * unit)
+    assert policy.memory.recheck_extra["head"] == pytest.approx(priced + 0.02 - 2 * unit)
 
 
 def test_realized_speed_is_seconds_over_tokens_not_a_mean_of_ratios() -> None:
