@@ -546,8 +546,9 @@ class PolicyMemory:
     benched: dict[str, int] = field(default_factory=dict)  # drafter -> step it was benched
     strikes: dict[str, int] = field(default_factory=dict)  # drafter -> benches in a row
     steps: int = 0
-    # per drafter: plain steps since it last drafted or was rechecked, and what its last
-    # recheck cost beyond plain steps committing the same tokens (seconds). Kept apart:
+    # per drafter sitting out: plain steps since it last drafted or was rechecked (no
+    # entry while it drafts), and what its last recheck cost beyond plain steps
+    # committing the same tokens (seconds). Kept apart:
     # shared, the first drafter in line (layer-skip, whose rechecks are costly and useless
     # on chat) took every recheck and its price spaced them, so a trained head sitting out
     # was looked at again only while layer-skip was benched, every 100-200 steps
@@ -709,14 +710,14 @@ class DraftPolicy:
                     break
         probe = self._cost_probe(wanted, best.k, pending)
         if probe is not None:
-            self.memory.idle[probe.drafter] = 0
+            self.memory.idle.pop(probe.drafter, None)
             return probe
         idle = self.memory.idle
         if best.drafter is not None:
             # its step is as good as a recheck. Lookup's steps hold no one's off: on chat,
             # where lookup drafts every few steps, a head whose estimate had dipped sat
             # out 300 steps without one
-            idle[best.drafter] = 0
+            idle.pop(best.drafter, None)
             return best
         # the drafter most overdue for a recheck, each spaced by its own price
         due, most = None, 1.0
@@ -728,7 +729,7 @@ class DraftPolicy:
             if overdue >= most and self._worth_probing(name):
                 due, most = name, overdue
         if due is not None:
-            idle[due] = 0
+            idle.pop(due)
             return Choice(due, 2, due, recheck=True)
         return best
 
