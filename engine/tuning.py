@@ -547,13 +547,15 @@ class PolicyMemory:
     strikes: dict[str, int] = field(default_factory=dict)  # drafter -> benches in a row
     steps: int = 0
     # per drafter sitting out: plain steps since it last drafted or was rechecked (no
-    # entry while it drafts), and what its last recheck cost beyond plain steps
-    # committing the same tokens (seconds). Kept apart:
+    # entry while it drafts), and what its last two rechecks cost beyond plain steps
+    # committing the same tokens (seconds; the cheaper spaces the next, so one slow
+    # moment does not: a 150 ms step where ~60 was usual priced a head's recheck at
+    # 94 ms and held the next off ~300 steps, sat out though it paid). Kept apart:
     # shared, the first drafter in line (layer-skip, whose rechecks are costly and useless
     # on chat) took every recheck and its price spaced them, so a trained head sitting out
     # was looked at again only while layer-skip was benched, every 100-200 steps
     idle: dict[str, int] = field(default_factory=dict)
-    recheck_extra: dict[str, float] = field(default_factory=dict)
+    recheck_extra: dict[str, tuple[float, ...]] = field(default_factory=dict)
     # the last cost probe: its step, and what its pass cost beyond a plain one once timed
     cost_probe: tuple[int, float] | None = None
     # per drafter: how often a draft tree's runner-up won where its first child lost
@@ -735,10 +737,10 @@ class DraftPolicy:
 
     def _recheck_spacing(self, name: str) -> float:
         """Idle steps before the next recheck of `name` sitting out: PROBE_EVERY, or more
-        where its last recheck cost so much that they would take over RECHECK_SHARE."""
+        where its recent rechecks cost so much that they would take over RECHECK_SHARE."""
         if self.costs is None:
             return PROBE_EVERY
-        extra = self.memory.recheck_extra.get(name, 0.0)
+        extra = min(self.memory.recheck_extra.get(name, (0.0,)))
         return max(PROBE_EVERY, extra / (RECHECK_SHARE * self.costs.verify(1)))
 
     def _cost_probe(self, wanted: Sequence[tuple[str, str, int]], k: int,
@@ -855,8 +857,10 @@ class DraftPolicy:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)
         if choice.recheck and step_seconds is not None and self.costs is not None:
-            self.memory.recheck_extra[choice.drafter] = max(
-                step_seconds + catchup_s - max(n_tokens, 1) * self.costs.verify(1), 0.0)
+            extra = max(step_seconds + catchup_s - max(n_tokens, 1) * self.costs.verify(1),
+                        0.0)
+            last = self.memory.recheck_extra.get(choice.drafter, ())[-1:]
+            self.memory.recheck_extra[choice.drafter] = (*last, extra)
         if choice.probe and seconds is None:
             # its pass went untimed (it built kernels for a new shape): it tested nothing,
             # so it must not hold the next probe off for PROBE_EVERY steps of a table

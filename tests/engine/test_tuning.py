@@ -537,6 +537,33 @@ def test_each_drafter_sitting_out_is_rechecked_on_its_own_schedule() -> None:
     assert min(b - a for a, b in pairwise(costly["head"])) >= 150
 
 
+def test_one_slow_recheck_does_not_hold_off_the_next_for_hundreds_of_steps() -> None:
+    """The head's second recheck takes 150 ms (a slow moment; the rest take 11.5 ms). The
+    cheaper of its last two rechecks spaces the next, so it comes after PROBE_EVERY idle
+    steps, not the ~1,400 the slow one's price would buy. A drafter whose rechecks are all
+    costly is still spaced by their cost (the test above)."""
+    def head_rechecks(slow: tuple[int, ...] = (2,)) -> list[int]:
+        memory = PolicyMemory()
+        memory.estimates["head"] = AcceptanceEstimate(0.0, weight=1e9)  # sits out
+        costs = timed(CostModel({1: 0.010, 16: 0.011}, {"head": 0.0005}))
+        policy = DraftPolicy("auto", ("head",), costs, memory=memory)
+        seen = []
+        for i in range(400):
+            choice = policy.choose(FRESH)
+            if choice.recheck:
+                seen.append(i)
+                seconds = 0.150 if len(seen) in slow else 0.0115
+                policy.update(choice, 2, 0, 0.0115, 3, seconds, 1)
+            else:
+                policy.update(choice, 0, 0, 0.010, 1, 0.010, 1)
+        return seen
+
+    seen = head_rechecks()
+    assert len(seen) >= 20 and seen[2] - seen[1] <= PROBE_EVERY + 1
+    # negative control: two slow rechecks in a row hold the next off for good
+    assert len(head_rechecks(slow=(2, 3))) == 3
+
+
 def test_a_drafter_that_cannot_pay_even_when_right_is_never_probed() -> None:
     def probes(draft_s: float) -> int:
         policy = DraftPolicy("layerskip", ("layerskip",),
@@ -1084,7 +1111,7 @@ def test_a_catch_up_prices_the_recheck_not_the_drafters_steps() -> None:
     assert policy.memory.overheads["head"].factor == pytest.approx(1.0)
     unit = policy.costs.verify(1)
     assert policy.realized["head"].passes_per_token == pytest.approx(priced / unit / 2)
-    assert policy.memory.recheck_extra["head"] == pytest.approx(priced + 0.02 - 2 * unit)
+    assert policy.memory.recheck_extra["head"] == pytest.approx((priced + 0.02 - 2 * unit,))
 
 
 def test_realized_speed_is_seconds_over_tokens_not_a_mean_of_ratios() -> None:
