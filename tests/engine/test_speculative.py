@@ -17,12 +17,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.cache import cache_length, make_caches
 from engine.decode import ChatSession, GenerateOptions
+from engine.drafters.base import Draft
 from engine.drafters.ngram import NgramDrafter
 from engine.errors import IncompatibleDraftError
 from engine.events import Finished, Step, TokenKind
@@ -674,3 +676,69 @@ def test_a_drafters_catch_up_after_sitting_out_is_timed_apart_from_its_step(
     assert first_s == first_tokens  # its own commit only: one second a committed token
     assert second_catchup == 0
     assert second_s == second_tokens
+
+
+
+class AlwaysDrafts:
+    """A model drafter's stand-in: drafts token 0 at every step."""
+
+    def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
+                accept: str) -> Draft:
+        return Draft((0,))
+
+    def commit(self, context: Sequence[int]) -> None:
+        return None
+
+
+class ModelDraftPolicy:
+    """Always drafts with a model drafter ("head"); records each free check of lookup's
+    guess: (context length, committed token, whether lookup's tree held it)."""
+
+    costs = None
+
+    def __init__(self) -> None:
+        self.memory = PolicyMemory()
+        self.context: Sequence[int] = ()
+        self.checks: list[tuple[int, int, bool]] = []
+
+    def choose(self, context: Sequence[int], pending: bool = False) -> Choice:
+        self.context = context
+        return Choice("head", 2, "head")
+
+    def observe(self, token: int, branched: bool = False) -> bool:
+        self.checks.append((len(self.context), token, branched))
+        return False
+
+    def update(self, *args, **kwargs) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tree", ["auto", "off"])
+def test_lookups_guess_is_judged_by_its_tree_where_a_model_drafted(target: LoadedModel,
+                                                                   tree: str) -> None:
+    """Where another drafter's step commits the token after a lookup match, lookup's
+    estimate is told whether its tree's first layer held that token, as on a plain step.
+    Judged by the chain's guess alone, a head drafting after two-token matches on code
+    edits drove lookup's estimate there from 10% to 4%, so lookup never drafted there again
+    (where its tree was right ~80% of the time). With trees off only the chain counts (the
+    negative control: the same steps, never credited to the tree)."""
+    model = target.model
+    rng = np.random.default_rng(11)
+    context = [int(t) for t in rng.integers(0, 12, size=120)]  # many repeats
+    caches = make_caches(model.n_layers)
+    *_, (_, logits) = prefill(model, context, caches, 512)
+    policy = ModelDraftPolicy()
+    sampling = SamplingParams(temperature=1.0, seed=1)  # a varied reply, with repeats
+    steps = speculative_steps(model, caches, context, logits, sampling, "coupled",
+                              {"ngram": NgramDrafter(min_n=1), "head": AlwaysDrafts()},
+                              policy, tree=tree)
+    for _ in range(16):
+        next(steps)
+    assert len(policy.checks) == 16  # one free check a step (the first: a pending token)
+    held = [NgramDrafter(min_n=1).continued_with(context[:n], token)
+            for n, token, _ in policy.checks]
+    assert sum(held) >= 3  # the case at stake came up
+    if tree == "auto":
+        assert [branched for *_, branched in policy.checks] == held
+    else:
+        assert not any(branched for *_, branched in policy.checks)
