@@ -300,9 +300,10 @@ def speculative_steps(
         n = len(verdict.path)
         accepted = [shape.ids[j] for j in verdict.path]
         if choice.drafter != "ngram":  # a prompt-lookup draft is scored by `update`
-            # scored as on a plain step, by the lookup tree's first layer: judged by its
-            # chain's guess alone where a head drafted, two-token matches (right ~80% of
-            # the time on code edits by the tree) fell from 10% to 4% and never drafted
+            # lookup's guess is scored by its tree's first layer, as on a plain step:
+            # scored by the chain's guess alone, a head's steps after two-token matches
+            # on code edits drove that estimate from 10% to 4% (the tree held the token
+            # ~80% of the time there), and lookup stopped drafting them
             first = accepted[0] if n else verdict.token
             policy.observe(first, held_by_tree(len(context), first))
         commit_path(model, caches, len(context) - 1, verdict.path)

@@ -678,7 +678,6 @@ def test_a_drafters_catch_up_after_sitting_out_is_timed_apart_from_its_step(
     assert second_s == second_tokens
 
 
-
 class AlwaysDrafts:
     """A model drafter's stand-in: drafts token 0 at every step."""
 
@@ -719,7 +718,7 @@ def test_lookups_guess_is_judged_by_its_tree_where_a_model_drafted(target: Loade
     """Where another drafter's step commits the token after a lookup match, lookup's
     estimate is told whether its tree's first layer held that token, as on a plain step.
     Judged by the chain's guess alone, a head drafting after two-token matches on code
-    edits drove lookup's estimate there from 10% to 4%, so lookup never drafted there again
+    edits drove lookup's estimate there from 10% to 4%, so lookup stopped drafting there
     (where its tree was right ~80% of the time). With trees off only the chain counts (the
     negative control: the same steps, never credited to the tree)."""
     model = target.model
