@@ -206,12 +206,19 @@ def speculative_steps(
     carried: Choice | None = None  # the choice a pending read was made for, kept past it
     lookup = getattr(drafters.get("ngram"), "continued_with", None) if tree_extra else None
 
-    def held_by_tree(n: int, token: int) -> bool:
-        """Whether prompt lookup's tree, drafted after the first `n` context tokens, had
-        `token` in its first layer (another earlier match continued with it). The context
-        is sliced only where trees are on: a plain step runs this every time."""
-        return lookup is not None and lookup(
+    def free_check(n: int, token: int) -> tuple[bool | None, bool]:
+        """Score prompt lookup's guess by `token`, committed after the first `n` context
+        tokens by a step that did not verify lookup's draft (`DraftPolicy.observe`), the
+        same way whoever drafted: by its tree's first layer where trees are on (another
+        earlier match continued with it). A head's steps once scored the chain's guess
+        alone: after two-token matches on code edits that estimate fell from 10% to 4%
+        where the tree held the token ~80% of the time, and lookup stopped drafting them.
+        Returns (whether the chain's guess was right, None without one; whether the tree
+        held it). The context is sliced only where trees are on: a plain step runs this
+        every time."""
+        branched = lookup is not None and lookup(
             context if n == len(context) else context[:n], token)
+        return policy.observe(token, branched), branched
 
     # whether the pending pass may have finished while the loop was not running (the
     # caller evaluated it, or held the loop): then a plain step times only its host work
@@ -227,8 +234,7 @@ def speculative_steps(
             tok, p = sample_next(pending, context, sampling)
             token, prob = int(tok.item()), float(p.item())
             pending = None
-            branched = held_by_tree(len(context), token)
-            guessed = policy.observe(token, branched)
+            guessed, branched = free_check(len(context), token)
             # A model's choice stands (lookup's guess says nothing of it: with one-token
             # matches lookup guesses at almost every step), and so does prompt lookup's
             # when it guessed this token right (the copy is on: its next tokens are the
@@ -274,7 +280,7 @@ def speculative_steps(
                     pending = forward(model, [context[-1]], caches)[-1]
             before = len(context)
             token, prob, pending = pipelined_step(model, caches, pending, context, sampling)
-            policy.observe(token, held_by_tree(before, token))
+            free_check(before, token)
             t_end = clock()
             # only a step that found its logits pending, and still being computed, shows
             # the steady plain cost; none that traced a compiled function does either (its
@@ -300,12 +306,7 @@ def speculative_steps(
         n = len(verdict.path)
         accepted = [shape.ids[j] for j in verdict.path]
         if choice.drafter != "ngram":  # a prompt-lookup draft is scored by `update`
-            # lookup's guess is scored by its tree's first layer, as on a plain step:
-            # scored by the chain's guess alone, a head's steps after two-token matches
-            # on code edits drove that estimate from 10% to 4% (the tree held the token
-            # ~80% of the time there), and lookup stopped drafting them
-            first = accepted[0] if n else verdict.token
-            policy.observe(first, held_by_tree(len(context), first))
+            free_check(len(context), accepted[0] if n else verdict.token)
         commit_path(model, caches, len(context) - 1, verdict.path)
         context.extend([*accepted, verdict.token])
         assert drafter is not None
