@@ -42,7 +42,7 @@ from engine.models.attention import inference_pass
 from engine.sampling import SamplingParams, log_probs
 from engine.steps import RawStep, forward, pipelined_step, sample_next
 from engine.tree import ROOT, DraftTree, TreeError, validate_tree
-from engine.tree_policy import TreeStats, prune_draft
+from engine.tree_policy import TreeStats, deeper_pays, prune_draft
 from engine.tree_verify import (
     TreeVerdict,
     chain_for_rejection,
@@ -59,13 +59,18 @@ PAUSE_FALLBACK_S = 0.02  # ... the pass's cost where no cost model says it
 
 
 def draft_step(drafter: Drafter | None, choice: Choice, context: Sequence[int],
-               sampling: SamplingParams, accept: str, tree_extra: int = 0) -> Draft:
+               sampling: SamplingParams, accept: str, tree_extra: int = 0,
+               until: Callable[[Sequence[float]], bool] | None = None) -> Draft:
     """Ask the chosen drafter for up to `choice.k` tokens (none for a plain step); a tree
-    source with up to `tree_extra` more nodes where it has alternatives."""
+    source with up to `tree_extra` more nodes where it has alternatives, a model drafter
+    stopping early where `until` says a deeper node would not pay (`deeper_pays`)."""
     if drafter is None or choice.k <= 0:
         return Draft(())
     propose_tree = getattr(drafter, "propose_tree", None)
     if tree_extra > 0 and propose_tree is not None:
+        if until is not None and getattr(drafter, "stops_early", False):
+            return propose_tree(context, choice.k, tree_extra, sampling=sampling,
+                                accept=accept, until=until)
         return propose_tree(context, choice.k, tree_extra, sampling=sampling, accept=accept)
     return drafter.propose(context, choice.k, sampling, accept)
 
@@ -172,6 +177,21 @@ def verified_step(tree: DraftTree, verdict: TreeVerdict) -> tuple[list[int], lis
     return ids, kinds, probs, None if tree.is_chain else labels
 
 
+def early_stop(policy: DraftPolicy, choice: Choice,
+               sampling: SamplingParams) -> Callable[[Sequence[float]], bool] | None:
+    """When a model drafter's chain should stop short of `choice.k` (`deeper_pays`); None
+    where K is the user's (`--k`), for a cost probe (it times a width), a recheck (it
+    measures acceptance at its K), under a repetition penalty (the draw's scores are not
+    the drafter's own there) and for a scripted policy without a cost model."""
+    costs = getattr(policy, "costs", None)
+    if (costs is None or getattr(policy, "fixed_k", None) is not None or choice.probe
+            or choice.recheck or choice.drafter is None or sampling.repetition_penalty != 1.0):
+        return None
+    est = policy.estimates.get(choice.estimate or "")
+    return deeper_pays(tree_stats(policy, choice.drafter), est.alpha if est else 0.5, costs,
+                       costs.draft_s.get(choice.drafter, 0.0), choice.k)
+
+
 def tree_stats(policy: DraftPolicy, drafter: str | None) -> TreeStats:
     """What the session has learned about `drafter`'s runner-ups: it belongs to the
     drafter, not to one reply, so it lives in the policy memory the session keeps."""
@@ -257,14 +277,16 @@ def speculative_steps(
             # price of having sat out, timed apart from the step's own (`update`)
             drafter.commit(context)
             t_caught = clock()
-        draft = draft_step(drafter, choice, context, sampling, accept, tree_extra)
+        draft = draft_step(drafter, choice, context, sampling, accept, tree_extra,
+                           early_stop(policy, choice, sampling) if tree_extra else None)
         error = ""
         try:
             draft = checked_draft(draft, model.args.vocab_size, choice.k, accept, tree)
         except TreeError as e:
             error, draft = f"{choice.drafter}: {e}; ran a plain step instead", Draft(())
         costs = getattr(policy, "costs", None)  # a scripted policy in tests has none
-        if draft.parents is not None and costs is not None:
+        if (draft.parents is not None or draft.conf is not None) and costs is not None:
+            # a tree, or a chain whose drafter says how sure it is of each token: what pays
             est = policy.estimates.get(choice.estimate or "")
             draft = prune_draft(draft, est.alpha if est else 0.5,
                                 tree_stats(policy, choice.drafter), costs,
@@ -311,8 +333,9 @@ def speculative_steps(
         context.extend([*accepted, verdict.token])
         assert drafter is not None
         drafter.commit(context)
-        if not shape.is_chain:
-            tree_stats(policy, choice.drafter).observe(shape, verdict.path, draft.gaps)
+        if not shape.is_chain or draft.conf is not None:
+            tree_stats(policy, choice.drafter).observe(shape, verdict.path, draft.gaps,
+                                                       draft.conf)
         ids, kinds, probs, branches = verified_step(shape, verdict)
         t_end = clock()
         # the acceptance estimate sees the branch the walk took: a rejection unless it

@@ -21,11 +21,19 @@ than the chain's (a match as long as the chain's is a real fork in the text, one
 match is a guess). A close call is a likelier win than a distant one (EAGLE-2's point:
 the draft's own confidence predicts acceptance), so b is learned per gap band, per
 drafter, and the budget goes to the close calls at whatever depth they are.
+
+A model drafter (a draft model, the trained head) says more than a gap: its own chance for
+every node (`Draft.conf`). Each node is then priced by that chance, calibrated per
+drafter from the nodes verified so far (`TreeStats.wins`), and the drafter stops drafting
+deeper where its chain's calibrated arrival no longer pays for another draft step
+(`deeper_pays`): with the demo's two-hour head at T = 0, first-depth picks it gave under
+20% (a fifth of its steps) were accepted 3% of the time and picks over 90% nearly always,
+where one acceptance estimate priced them alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.drafters.base import Draft
@@ -44,6 +52,10 @@ GAP_PRIORS = (0.45, 0.3, 0.15, 0.05)
 # node that arrives 0.5% of the time beside a 15-token chain; 1% also refused the
 # runner-ups of a 4-token model draft at T = 0.8, a few percent each, that do pay
 ROW_MARGIN = 0.001
+# confidence bands of a model drafter's node (upper edges); the prior chance a node in each
+# wins where its parent is reached is the band's middle, until verified nodes say otherwise
+CONF_EDGES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+CONF_PRIORS = (0.05, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95)
 
 
 def gap_band(gap: float) -> int:
@@ -51,19 +63,31 @@ def gap_band(gap: float) -> int:
     return sum(gap >= edge for edge in GAP_EDGES)
 
 
+def conf_band(conf: float) -> int:
+    """Which `CONF_EDGES` band a model drafter's confidence in a node falls in."""
+    return sum(conf >= edge for edge in CONF_EDGES)
+
+
 @dataclass
 class TreeStats:
     """How often a contested node's first child won (`held`, per gap band of its closest
     scored rival), and how often an alternative child was accepted where the first child
     was rejected: per score-gap band for runner-ups that carry a gap, one figure for those
-    that do not."""
+    that do not. For a drafter that states its confidence in each node, how often a node
+    won where its parent was reached, per confidence band (`by_conf`)."""
 
     alt: AcceptanceEstimate = field(default_factory=lambda: AcceptanceEstimate(ALT_PRIOR))
     held: list[AcceptanceEstimate] = field(
         default_factory=lambda: [AcceptanceEstimate(p) for p in HELD_PRIORS])
     by_gap: list[AcceptanceEstimate] = field(
         default_factory=lambda: [AcceptanceEstimate(p) for p in GAP_PRIORS])
+    by_conf: list[AcceptanceEstimate] = field(
+        default_factory=lambda: [AcceptanceEstimate(p) for p in CONF_PRIORS])
     trees: int = 0
+
+    def wins(self, conf: float) -> float:
+        """The chance a node the drafter gave `conf` wins where its parent is reached."""
+        return self.by_conf[conf_band(conf)].alpha
 
     def chance(self, gap: float | None) -> float:
         """The chance an alternative child with this score gap wins where its older
@@ -77,13 +101,21 @@ class TreeStats:
         return self.held[gap_band(min(scored))].alpha if scored else None
 
     def observe(self, tree: DraftTree, path: tuple[int, ...],
-                gaps: Sequence[float | None] | None = None) -> None:
-        """One verified tree: at each node the walk reached with several children, did the
+                gaps: Sequence[float | None] | None = None,
+                conf: Sequence[float] | None = None) -> None:
+        """One verified tree: with confidences, did each node whose parent the walk
+        reached win; else at each node the walk reached with several children, did the
         first win (beside rivals with a score gap), and where it lost, did another (which
         one, for children with a score gap)?"""
+        self.trees += not tree.is_chain
+        if conf is not None:
+            reached = {ROOT, *path}
+            for i, p in enumerate(tree.parents):
+                if p in reached:
+                    self.by_conf[conf_band(conf[i])].update(1, int(i in reached))
+            return
         if tree.is_chain:
             return
-        self.trees += 1
         children = tree.children
         node = ROOT
         for depth in range(len(path) + 1):
@@ -104,6 +136,26 @@ class TreeStats:
             node = taken
 
 
+def deeper_pays(stats: TreeStats, alpha: float, costs: CostModel, draft_s: float,
+                k: int) -> Callable[[Sequence[float]], bool]:
+    """Whether a model drafter that drew a chain with these confidences should draft one
+    node deeper (up to the policy's `k`): the next node adds its arrival — the chain's
+    calibrated arrival so far times `alpha`, the chance a next node wins — in tokens
+    worth a plain pass each, and costs a draft step and a verify row (the average row of
+    a `k`-draft pass). A chain the drafter is unsure of stops early, saving the steps
+    and rows its deep nodes would have taken for the few tokens they bring."""
+    row = max(costs.verify(k + 1) - costs.verify(1), 0.0) / max(k, 1)
+    gain, price = alpha * costs.verify(1), draft_s + row
+
+    def more(confs: Sequence[float]) -> bool:
+        reach = 1.0
+        for c in confs:
+            reach *= stats.wins(c)
+        return reach * gain > price
+
+    return more
+
+
 def prune_tree(tree: DraftTree, alpha: float, alt: float, costs: CostModel | None,
                draft_s: float = 0.0, limit: int = K_MAX + 1,
                held: float | None = None) -> DraftTree:
@@ -119,21 +171,30 @@ def prune_tree(tree: DraftTree, alpha: float, alt: float, costs: CostModel | Non
 
 def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel | None,
                 draft_s: float = 0.0, limit: int = K_MAX + 1) -> Draft:
-    """`prune_tree` for a drafter's tree, each branch priced by its score gap where it has
-    one and each contested node by what `stats` learned of them; the kept nodes keep their
-    gaps (for `TreeStats.observe`). q is dropped: trees are verified under the coupled
-    rule, which does not read it."""
+    """`prune_tree` for a drafter's tree, each node priced by the drafter's confidence in it
+    where it states one, else each branch by its score gap where it has one and each
+    contested node by what `stats` learned of them; the kept nodes keep their gaps and
+    confidences (for `TreeStats.observe`). q is dropped: trees are verified under the
+    coupled rule, which does not read it."""
     tree = draft.tree
     gaps = draft.gaps or (None,) * len(tree)
-    holds = {p: stats.holds([gaps[kid] for kid in kids[1:]])
-             for p, kids in tree.children.items() if len(kids) > 1}
-    kept = kept_nodes(tree, alpha, [stats.chance(g) for g in gaps], costs, draft_s, limit,
-                      {p: h for p, h in holds.items() if h is not None})
+    if draft.conf is not None:
+        reach: list[float] = []
+        for i, p in enumerate(tree.parents):
+            reach.append((1.0 if p == ROOT else reach[p]) * stats.wins(draft.conf[i]))
+        kept = paying_nodes(tree, reach, costs, draft_s, limit)
+    else:
+        holds = {p: stats.holds([gaps[kid] for kid in kids[1:]])
+                 for p, kids in tree.children.items() if len(kids) > 1}
+        kept = kept_nodes(tree, alpha, [stats.chance(g) for g in gaps], costs, draft_s,
+                          limit, {p: h for p, h in holds.items() if h is not None})
     pruned = subtree(tree, kept)
+    conf = None if draft.conf is None else tuple(
+        c for i, c in enumerate(draft.conf) if i in kept)
     if pruned.is_chain:
-        return Draft(pruned.ids)
+        return Draft(pruned.ids, conf=conf)
     kept_gaps = tuple(g for i, g in enumerate(gaps) if i in kept)
-    return Draft(pruned.ids, None, pruned.parents, kept_gaps)
+    return Draft(pruned.ids, None, pruned.parents, kept_gaps, conf)
 
 
 def arrival(tree: DraftTree, alpha: float, chances: Sequence[float],
@@ -154,20 +215,28 @@ def arrival(tree: DraftTree, alpha: float, chances: Sequence[float],
 def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
                costs: CostModel | None, draft_s: float = 0.0,
                limit: int = K_MAX + 1, holds: Mapping[int, float] | None = None) -> set[int]:
-    """The nodes worth their rows (each with its parent kept); `chances[i]`: the chance
-    node i wins where its older sibling lost; `holds[p]`: the chance contested node p's
-    first child wins (see `arrival`).
-
-    Two shapes are priced, and the faster kept: the whole main chain plus the branch
-    nodes that pay, and the best-arriving nodes wherever they are, at least as many as the
-    main chain (its length is the policy's choice, `best_k`). The second is why a tree is
-    worth more than its chain plus extras: where the drafter was unsure near the root (a
-    contested node), the main chain's deep nodes arrive less often than a runner-up's
-    first few, and a pass that trades the one for the other is no wider."""
-    n_main = tree.first_chain()
-    if n_main == len(tree) or costs is None:
+    """The nodes worth their rows (each with its parent kept), the main chain always among
+    them; `chances[i]`: the chance node i wins where its older sibling lost; `holds[p]`:
+    the chance contested node p's first child wins (see `arrival`)."""
+    if tree.first_chain() == len(tree) or costs is None:
         return set(range(len(tree)))
-    reach = arrival(tree, alpha, chances, holds)
+    return paying_nodes(tree, arrival(tree, alpha, chances, holds), costs, draft_s, limit)
+
+
+def paying_nodes(tree: DraftTree, reach: Sequence[float], costs: CostModel | None,
+                 draft_s: float = 0.0, limit: int = K_MAX + 1) -> set[int]:
+    """The nodes worth their rows, node i arriving with chance `reach[i]`, the main chain
+    (the policy's K, or less where the drafter stopped early) always among them.
+
+    Two shapes are priced, and the faster kept: the main chain plus the nodes that pay,
+    and the best-arriving nodes wherever they are, at least as many as the main chain.
+    The second is why a tree is worth more than its chain plus extras: where the drafter
+    was unsure near the root (a contested node), the main chain's deep nodes arrive less
+    often than a runner-up's first few, and a pass that trades the one for the other is
+    no wider."""
+    n_main = tree.first_chain()
+    if costs is None:
+        return set(range(len(tree)))
 
     def best_prefix(order: Sequence[int], kept: int) -> tuple[float, int]:
         """(rate, n): the prefix of `order`, at least `kept` long, with the most expected

@@ -14,7 +14,7 @@ verification is unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -209,6 +209,7 @@ class HeadDrafter:
     """
 
     name = "head"
+    stops_early = True  # `propose(until=)`: a chain it is unsure of ends early
 
     def __init__(self, head: HeadModel, target, caches_tgt: Sequence[KVCache]) -> None:
         if not caches_tgt:
@@ -251,8 +252,9 @@ class HeadDrafter:
         self.ids = list(context)
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
-                accept: str) -> Draft:
-        """k head steps from the newest committed row; the cache is cut back afterwards."""
+                accept: str, until: Callable[[Sequence[float]], bool] | None = None) -> Draft:
+        """k head steps from the newest committed row (fewer where `until` stops them:
+        `draft_tokens`); the cache is cut back afterwards."""
         if k <= 0 or len(context) < 2:
             return Draft(())
         self.commit(context)
@@ -271,18 +273,19 @@ class HeadDrafter:
             return logits(out[0])
 
         run = draft_tokens(logits(out[0]), step, context, k, sampling, accept,
-                           vocab=self.head.hot_ids_mx if hot else None)
+                           vocab=self.head.hot_ids_mx if hot else None, until=until)
         self.cache.trim(len(context) - 1)
         self._drawn = run
         # q over the whole vocabulary, lazily: only the rejection rule reads it
         return Draft(run.ids, self.head.lift(run.logq) if hot else run.logq)
 
     def propose_tree(self, context: Sequence[int], k: int, extra: int,
-                     sampling: SamplingParams | None = None, accept: str = "coupled") -> Draft:
+                     sampling: SamplingParams | None = None, accept: str = "coupled",
+                     until: Callable[[Sequence[float]], bool] | None = None) -> Draft:
         """The chain `propose` drafts plus the head's runner-ups at the shallow depths (as
         the draft model's; none outside the hot vocabulary)."""
         sampling = sampling or SamplingParams()
-        chain = self.propose(context, k, sampling, accept)
+        chain = self.propose(context, k, sampling, accept, until)
         return with_runner_ups(chain, self._drawn, len(context), sampling, accept, extra)
 
     def _full_logits(self, out: mx.array) -> mx.array:

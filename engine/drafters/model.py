@@ -13,7 +13,7 @@ verify row but no draft pass. `engine.tree_policy.prune_tree` keeps those that p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
@@ -26,6 +26,7 @@ class ModelDrafter:
     """A small LM as drafter. `cached_ids` mirrors what its KV cache holds."""
 
     name = "model"
+    stops_early = True  # `propose(until=)`: a chain it is unsure of ends early
 
     def __init__(self, model, n_layers: int | None = None, caches=None,
                  vocab_size: int | None = None) -> None:
@@ -58,24 +59,26 @@ class ModelDrafter:
         return logits if self.vocab_size is None else logits[:, : self.vocab_size]
 
     def propose(self, context: Sequence[int], k: int, sampling: SamplingParams,
-                accept: str) -> Draft:
-        """Run k autoregressive draft steps as one lazy graph, evaluated once at the end."""
+                accept: str, until: Callable[[Sequence[float]], bool] | None = None) -> Draft:
+        """Run k autoregressive draft steps as one lazy graph, evaluated once at the end
+        (or a step at a time, fewer where `until` stops them: `draft_tokens`)."""
         if k <= 0:
             return Draft(())
         self.commit(context)
         first = self._forward(mx.array([[context[-1]]]))[-1:]  # (1, V)
         run = draft_tokens(first, lambda tok: self._forward(tok[None])[-1:], context, k,
-                           sampling, accept)
+                           sampling, accept, until=until)
         self._drawn = run
         self.cached_ids = list(context) + list(run.ids[:-1])
         return Draft(run.ids, run.logq)
 
     def propose_tree(self, context: Sequence[int], k: int, extra: int,
-                     sampling: SamplingParams | None = None, accept: str = "coupled") -> Draft:
+                     sampling: SamplingParams | None = None, accept: str = "coupled",
+                     until: Callable[[Sequence[float]], bool] | None = None) -> Draft:
         """The chain `propose` drafts plus, within `extra` nodes, the runner-ups under the
         same noise at depths 1..len(RUNNER_UPS) as leaves beside the chain's node there."""
         sampling = sampling or SamplingParams()
-        chain = self.propose(context, k, sampling, accept)
+        chain = self.propose(context, k, sampling, accept, until)
         return with_runner_ups(chain, self._drawn, len(context), sampling, accept, extra)
 
     def commit(self, context: Sequence[int]) -> None:

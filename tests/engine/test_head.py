@@ -391,8 +391,11 @@ def test_head_trees_add_its_runner_ups_from_the_hot_vocabulary(
     assert tree.parents is not None and tree.ids[:4] == chain.ids
     extra = tree.ids[4:]
     assert len(extra) == sum(RUNNER_UPS) and set(extra) <= set(trained.hot_ids.tolist())
-    assert tree.parents[4:] == (0, -1, -1)  # deepest fork first: depth 2, then depth 1 twice
-    assert extra[1] != chain.ids[0] and extra[2] != chain.ids[0] and extra[0] != chain.ids[1]
+    # deepest fork first: depth 2's leaves, then depth 1's
+    n1, n2 = RUNNER_UPS
+    assert tree.parents[4:] == (0,) * n2 + (-1,) * n1
+    assert chain.ids[1] not in extra[:n2] and chain.ids[0] not in extra[n2:]
+    assert tree.conf is not None and len(tree.conf) == len(tree.ids)
     assert tree.logq is not None and tree.logq.shape[0] == len(tree.ids)
     assert refused.parents is None  # the rejection rule verifies chains only
 
@@ -401,7 +404,7 @@ def test_head_trees_add_its_runner_ups_from_the_hot_vocabulary(
 def test_head_runner_ups_over_its_columns_are_those_over_the_whole_vocabulary(
         target: LoadedModel, trained: HeadModel, temperature: float) -> None:
     """The head's leaves are scored over its hot columns (lifting each depth's row to the
-    vocabulary cost more than the head step): the same leaves and gaps as over the lifted
+    vocabulary cost more than the head step): the same leaves and confidences as over the lifted
     rows. Negative control: columns that are not the run's pick other leaves."""
     sampling = SamplingParams(temperature=temperature, seed=3)
     with tapped_drafter(target, trained) as (drafter, ids):
@@ -415,7 +418,7 @@ def test_head_runner_ups_over_its_columns_are_those_over_the_whole_vocabulary(
     want = with_runner_ups(chain, lifted, len(ids), sampling, "coupled", 8)
     assert len(got.ids) == 4 + sum(RUNNER_UPS)
     assert got.ids == want.ids and got.parents == want.parents
-    assert got.gaps == pytest.approx(want.gaps, abs=1e-4)
+    assert got.conf == pytest.approx(want.conf, abs=1e-5)
     shuffled = DraftRun(run.ids, run.logq, run.logits, run.columns[::-1])
     assert with_runner_ups(chain, shuffled, len(ids), sampling, "coupled", 8).ids != got.ids
 

@@ -512,7 +512,10 @@ def test_demo_model_speculative_equals_plain(demo_session: ChatSession, prompt: 
         assert spec.token_ids == plain.token_ids
         check_steps(steps, spec)
         if drafter == "model":
-            assert spec.stats.acceptance > 0.5  # the same model mostly agrees with itself
+            # the same model mostly agrees with itself: most of each K-draft chain commits
+            # (acceptance counts a tree's runner-ups too, which lose where the chain wins)
+            drafting = [s for s in steps if s.n_drafted]
+            assert sum(s.n_accepted for s in drafting) > 0.5 * k * len(drafting)
 
 
 # ----------------------------------------------------------------------------- pending reads

@@ -246,15 +246,16 @@ def test_draft_model_runner_ups_keep_the_plain_text(target: LoadedModel, tmp_pat
 def test_runner_ups_are_the_next_picks_under_the_same_noise(tmp_path: Path,
                                                             sampling: SamplingParams) -> None:
     """Each depth's leaves are what the draft would have drawn had its own pick (and then
-    the first runner-up) been struck out, under the same noise; their gaps say how close
-    each came, so the closer call is the first leaf."""
+    the first runner-up) been struck out, under the same noise; each node carries its
+    share of the softmax of those scores (its confidence), so the likelier leaf comes
+    first."""
     small = load_model(str(write_tiny_model(tmp_path / "d", hidden_size=32, seed=1)))
     drafter = ModelDrafter(small.model)
     context = list(PROMPT)
     draft = drafter.propose_tree(context, K, sum(RUNNER_UPS), sampling=sampling)
-    assert draft.gaps is not None and draft.gaps[:K] == (None,) * K
+    assert draft.gaps is None and draft.conf is not None
     tree = draft.tree
-    assert len(tree) == K + sum(RUNNER_UPS)
+    assert len(tree) == K + sum(RUNNER_UPS) == len(draft.conf)
     for depth, count in enumerate(RUNNER_UPS, start=1):
         leaves = [j for j in range(K, len(tree)) if tree.depths[j] == depth]
         chosen = [draft.ids[depth - 1]]
@@ -268,16 +269,16 @@ def test_runner_ups_are_the_next_picks_under_the_same_noise(tmp_path: Path,
                     int(sample_coupled(masked, sampling.seed, [len(context) + depth - 1])[0]))
             chosen.append(want)
         assert [draft.ids[j] for j in leaves] == chosen[1:], f"depth {depth}"
-        gaps = [draft.gaps[j] for j in leaves]
-        assert gaps[0] >= 0.0 and gaps == sorted(gaps)
-    # at T = 0 a gap is the log-ratio of the draft's probabilities of its pick and the leaf
+        conf = [draft.conf[j] for j in leaves]
+        # the chain's pick is the likeliest under the noise; its leaves follow in order
+        assert draft.conf[depth - 1] >= conf[0] and conf == sorted(conf, reverse=True)
+    # at T = 0 a node's confidence is the draft's own probability of its token
     if sampling.greedy:
-        j = K  # the first leaf: the deepest fork's closest call
-        depth = tree.depths[j]
-        row = drafter._drawn.logits[depth - 1].astype(mx.float32)
-        lp = np.array(mx.log(mx.softmax(row)))[0]
-        assert draft.gaps[j] == pytest.approx(lp[draft.ids[depth - 1]] - lp[draft.ids[j]],
-                                              abs=1e-4)
+        for j in (0, K):  # the chain's first node, the deepest fork's likeliest leaf
+            depth = tree.depths[j]
+            row = drafter._drawn.logits[depth - 1].astype(mx.float32)
+            p = np.array(mx.softmax(row))[0]
+            assert draft.conf[j] == pytest.approx(p[draft.ids[j]], abs=1e-5)
 
 
 def test_trees_off_and_the_rejection_rule_verify_chains(target: LoadedModel) -> None:
