@@ -68,10 +68,9 @@ def draft_step(drafter: Drafter | None, choice: Choice, context: Sequence[int],
         return Draft(())
     propose_tree = getattr(drafter, "propose_tree", None)
     if tree_extra > 0 and propose_tree is not None:
-        if until is not None and getattr(drafter, "stops_early", False):
-            return propose_tree(context, choice.k, tree_extra, sampling=sampling,
-                                accept=accept, until=until)
-        return propose_tree(context, choice.k, tree_extra, sampling=sampling, accept=accept)
+        stop = {} if until is None else {"until": until}
+        return propose_tree(context, choice.k, tree_extra, sampling=sampling, accept=accept,
+                            **stop)
     return drafter.propose(context, choice.k, sampling, accept)
 
 
@@ -177,15 +176,17 @@ def verified_step(tree: DraftTree, verdict: TreeVerdict) -> tuple[list[int], lis
     return ids, kinds, probs, None if tree.is_chain else labels
 
 
-def early_stop(policy: DraftPolicy, choice: Choice,
+def early_stop(policy: DraftPolicy, choice: Choice, drafter: Drafter | None,
                sampling: SamplingParams) -> Callable[[Sequence[float]], bool] | None:
     """When a model drafter's chain should stop short of `choice.k` (`deeper_pays`); None
-    where K is the user's (`--k`), for a cost probe (it times a width), a recheck (it
-    measures acceptance at its K), under a repetition penalty (the draw's scores are not
-    the drafter's own there) and for a scripted policy without a cost model."""
+    for a drafter that cannot stop early (`stops_early`: prompt lookup's copy has no
+    confidence), where K is the user's (`--k`), for a cost probe (it times a width), a
+    recheck (it measures acceptance at its K), under a repetition penalty (the draw's
+    scores are not the drafter's own there) and for a scripted policy without costs."""
     costs = getattr(policy, "costs", None)
-    if (costs is None or getattr(policy, "fixed_k", None) is not None or choice.probe
-            or choice.recheck or choice.drafter is None or sampling.repetition_penalty != 1.0):
+    if (costs is None or not getattr(drafter, "stops_early", False) or choice.probe
+            or getattr(policy, "fixed_k", None) is not None or choice.recheck
+            or choice.drafter is None or sampling.repetition_penalty != 1.0):
         return None
     est = policy.estimates.get(choice.estimate or "")
     return deeper_pays(tree_stats(policy, choice.drafter), est.alpha if est else 0.5, costs,
@@ -278,15 +279,14 @@ def speculative_steps(
             drafter.commit(context)
             t_caught = clock()
         draft = draft_step(drafter, choice, context, sampling, accept, tree_extra,
-                           early_stop(policy, choice, sampling) if tree_extra else None)
+                           early_stop(policy, choice, drafter, sampling) if tree_extra else None)
         error = ""
         try:
             draft = checked_draft(draft, model.args.vocab_size, choice.k, accept, tree)
         except TreeError as e:
             error, draft = f"{choice.drafter}: {e}; ran a plain step instead", Draft(())
         costs = getattr(policy, "costs", None)  # a scripted policy in tests has none
-        if (draft.parents is not None or draft.conf is not None) and costs is not None:
-            # a tree, or a chain whose drafter says how sure it is of each token: what pays
+        if draft.parents is not None and costs is not None:
             est = policy.estimates.get(choice.estimate or "")
             draft = prune_draft(draft, est.alpha if est else 0.5,
                                 tree_stats(policy, choice.drafter), costs,

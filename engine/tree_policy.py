@@ -218,8 +218,6 @@ def kept_nodes(tree: DraftTree, alpha: float, chances: Sequence[float],
     """The nodes worth their rows (each with its parent kept), the main chain always among
     them; `chances[i]`: the chance node i wins where its older sibling lost; `holds[p]`:
     the chance contested node p's first child wins (see `arrival`)."""
-    if tree.first_chain() == len(tree) or costs is None:
-        return set(range(len(tree)))
     return paying_nodes(tree, arrival(tree, alpha, chances, holds), costs, draft_s, limit)
 
 
@@ -235,7 +233,7 @@ def paying_nodes(tree: DraftTree, reach: Sequence[float], costs: CostModel | Non
     often than a runner-up's first few, and a pass that trades the one for the other is
     no wider."""
     n_main = tree.first_chain()
-    if costs is None:
+    if n_main == len(tree) or costs is None:
         return set(range(len(tree)))
 
     def best_prefix(order: Sequence[int], kept: int) -> tuple[float, int]:

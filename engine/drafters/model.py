@@ -8,7 +8,9 @@ prefix reuse across chat turns.
 As a tree source (`propose_tree`, coupled rule only) it adds the draft's runner-ups at the
 shallow depths as sibling leaves (EAGLE-2 style): under the same noise, the next-best token
 is the likeliest target choice where the draft's own pick is wrong, and a leaf costs a
-verify row but no draft pass. `engine.tree_policy.prune_tree` keeps those that pay.
+verify row but no draft pass. Every node carries the draft's confidence in it, by which
+`engine.tree_policy.prune_draft` keeps those that pay, and a chain it is unsure of stops
+early (`until`).
 """
 
 from __future__ import annotations

@@ -30,7 +30,14 @@ from engine.tree import (
     row_positions,
     validate_tree,
 )
-from engine.tree_policy import ALT_PRIOR, TreeStats, arrival, prune_draft, prune_tree
+from engine.tree_policy import (
+    ALT_PRIOR,
+    TreeStats,
+    arrival,
+    deeper_pays,
+    prune_draft,
+    prune_tree,
+)
 from engine.tree_verify import TreeVerdict, commit_path, tree_pass, verify_tree_coupled
 from engine.tuning import EXTRA_NODES, CostModel
 from engine.verify import verify_coupled_logits
@@ -480,3 +487,53 @@ def test_a_row_priced_like_the_chain_must_bring_more_than_the_margin() -> None:
     assert arrival(tree, 0.95, [1.0] * 16)[15] == pytest.approx(0.95 ** 14 * 0.05)
     assert prune_tree(tree, 0.95, 1.0, flat) == tree
     assert prune_tree(tree, 0.95, 0.1, flat) == DraftTree.chain(chain)
+
+
+# chain 5 6 7 the drafter was sure of; a depth-1 runner-up (4) it gave 30%, another (9) 2%
+SURE = Draft((5, 6, 7, 4, 9), None, (-1, 0, 1, -1, -1), None, (0.65, 0.95, 0.95, 0.3, 0.02))
+
+
+def test_tree_stats_calibrate_a_drafters_confidence_per_band() -> None:
+    """Every node whose parent the walk reached says whether the drafter's confidence in
+    it held; nodes past the walk say nothing. Negative control: bands no node fell in keep
+    their prior."""
+    stats = TreeStats()
+    sure, guess, rare = stats.wins(0.95), stats.wins(0.3), stats.wins(0.02)
+    assert sure > guess > rare  # the prior takes the drafter at its word
+    for _ in range(20):
+        stats.observe(SURE.tree, (3,), None, SURE.conf)  # the 30% runner-up won
+    assert stats.wins(0.3) > 0.8 > guess  # it held every time it was reached
+    assert stats.wins(0.65) < 0.2  # the chain's first node lost every time
+    assert stats.wins(0.95) == sure  # the chain's deeper nodes were never reached
+    assert stats.wins(0.02) < rare and stats.wins(0.45) == TreeStats().wins(0.45)
+
+
+def test_prune_prices_each_node_by_its_calibrated_confidence() -> None:
+    """Priced by the drafter's confidence, the 30% runner-up is worth a row and the 2% one
+    is not, and on a steeper curve neither is. Once the calibration has seen 30% picks
+    win and 65% ones lose, the runner-up takes the chain's deepest row there."""
+    curve = CostModel({1: 1.0, 4: 1.0, 5: 1.05, 6: 1.2, 17: 3.0})
+    kept = prune_draft(SURE, 0.5, TreeStats(), curve)
+    assert kept.ids == (5, 6, 7, 4) and kept.conf == (0.65, 0.95, 0.95, 0.3)
+    steep = CostModel({1: 1.0, 4: 1.0, 5: 1.13, 6: 1.3, 17: 3.0})
+    assert prune_draft(SURE, 0.5, TreeStats(), steep).ids == (5, 6, 7)
+    learned = TreeStats()
+    for _ in range(20):
+        learned.observe(SURE.tree, (3,), None, SURE.conf)
+    turned = prune_draft(SURE, 0.5, learned, steep)
+    assert turned.ids == (5, 6, 4) and turned.parents == (-1, 0, -1)
+
+
+def test_a_chain_goes_deeper_only_while_its_calibrated_arrival_pays() -> None:
+    """A draft step costs a tenth of a pass here and a row little: a chain the drafter is
+    sure of goes on, one it gave 10% stops at once, and one it was sure of but whose
+    band the calibration learned to distrust stops too (negative control: the same
+    confidences before that)."""
+    costs = CostModel({1: 1.0, 4: 1.05}, {"model": 0.1})
+    stats = TreeStats()
+    more = deeper_pays(stats, 0.6, costs, 0.1, 3)
+    assert more([0.95]) and more([0.95, 0.9])
+    assert not more([0.1]) and not more([0.95, 0.1])
+    for _ in range(60):
+        stats.observe(DraftTree.chain((5,)), (), None, (0.95,))  # sure, and wrong
+    assert not deeper_pays(stats, 0.6, costs, 0.1, 3)([0.95])

@@ -68,10 +68,25 @@ def chat_prompts(target: LoadedModel) -> list[list[int]]:
             for p in map(json.loads, lines) if p["category"] == "chat"]
 
 
+class NotedDrafter(ModelDrafter):
+    """A draft model that notes each chain it drafts: (the K asked for, the depth drawn)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.chains: list[tuple[int, int]] = []
+
+    def propose(self, context, k, sampling, accept, until=None):
+        draft = super().propose(context, k, sampling, accept, until)
+        self.chains.append((k, len(draft.ids)))
+        return draft
+
+
 def decode(target: LoadedModel, sampling: SamplingParams, draft: LoadedModel | None = None,
-           tree: str = "off") -> tuple[list[list[int]], float]:
+           tree: str = "off", fixed_k: int | None = K,
+           chains: list[tuple[int, int]] | None = None) -> tuple[list[list[int]], float]:
     """Each chat prompt's first N_TOKENS committed ids (plain decoding without `draft`),
-    and tau: committed tokens per target pass over all prompts."""
+    and tau: committed tokens per target pass over all prompts. `fixed_k` None lets the
+    policy choose K; `chains` collects the draft's (K asked, depth drawn) per proposal."""
     model = target.model
     replies: list[list[int]] = []
     n_tokens = n_passes = 0
@@ -82,15 +97,17 @@ def decode(target: LoadedModel, sampling: SamplingParams, draft: LoadedModel | N
         if draft is None:
             steps = plain_steps(model, caches, logits, context, sampling)
         else:
-            drafter = ModelDrafter(draft.model, vocab_size=model.args.vocab_size)
+            drafter = NotedDrafter(draft.model, vocab_size=model.args.vocab_size)
             costs = CostModel(dict(PINNED_VERIFY_S), {"model": PINNED_DRAFT_S})
-            policy = DraftPolicy("model", ("model",), costs, fixed_k=K)
+            policy = DraftPolicy("model", ("model",), costs, fixed_k=fixed_k)
             steps = speculative_steps(model, caches, context, logits, sampling, "coupled",
                                       {"model": drafter}, policy, tree=tree)
         while len(context) < len(prompt) + N_TOKENS:
             next(steps)  # one step is one target pass
             n_passes += 1
         steps.close()
+        if chains is not None and draft is not None:
+            chains += drafter.chains
         n_tokens += len(context) - len(prompt)
         replies.append(context[len(prompt):len(prompt) + N_TOKENS])
     return replies, n_tokens / n_passes
@@ -133,3 +150,24 @@ def test_the_perturbed_draft_agrees_partly(models: dict[str, LoadedModel]) -> No
                        for n in (1, 2, 3)]
     assert 0.45 <= agree["near"][0] <= 0.75 and agree["near"][1] >= agree["near"][0] + 0.1
     assert agree["unrelated"][0] < 0.1
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=0.0),
+                                      SamplingParams(temperature=0.8, seed=3)],
+                         ids=["T0", "T0.8"])
+def test_unsure_chains_stop_early_under_the_policys_k(models: dict[str, LoadedModel],
+                                                      sampling: SamplingParams) -> None:
+    """Under the policy's own K, the draft model stops a chain where its calibrated
+    confidence no longer pays for a deeper node (`deeper_pays`), and every text stays
+    plain decoding's. Threshold, set in advance: at least a tenth of the chains stop
+    short of their K, and some reach it. Negative control: with K pinned, none stops."""
+    plain, _ = decode(models["target"], sampling)
+    adaptive: list[tuple[int, int]] = []
+    replies, _ = decode(models["target"], sampling, models["near"], tree="auto",
+                        fixed_k=None, chains=adaptive)
+    assert replies == plain
+    short = sum(depth < k for k, depth in adaptive)
+    assert short >= len(adaptive) / 10 and any(depth == k > 1 for k, depth in adaptive)
+    pinned: list[tuple[int, int]] = []
+    decode(models["target"], sampling, models["near"], tree="auto", chains=pinned)
+    assert pinned and all(depth == k for k, depth in pinned)
