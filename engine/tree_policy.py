@@ -179,10 +179,8 @@ def prune_draft(draft: Draft, alpha: float, stats: TreeStats, costs: CostModel |
     tree = draft.tree
     gaps = draft.gaps or (None,) * len(tree)
     if draft.conf is not None:
-        reach: list[float] = []
-        for i, p in enumerate(tree.parents):
-            reach.append((1.0 if p == ROOT else reach[p]) * stats.wins(draft.conf[i]))
-        kept = paying_nodes(tree, reach, costs, draft_s, limit)
+        kept = paying_nodes(tree, reaches(tree, [stats.wins(c) for c in draft.conf]), costs,
+                            draft_s, limit)
     else:
         holds = {p: stats.holds([gaps[kid] for kid in kids[1:]])
                  for p, kids in tree.children.items() if len(kids) > 1}
@@ -204,11 +202,19 @@ def arrival(tree: DraftTree, alpha: float, chances: Sequence[float],
     for any later child i, (1 - that) * chances[i]."""
     holds = holds or {}
     children = tree.children
-    out: list[float] = []
+    wins = []
     for i, p in enumerate(tree.parents):
         first_wins = holds.get(p, alpha)
-        win = first_wins if children[p][0] == i else (1 - first_wins) * chances[i]
-        out.append((1.0 if p == ROOT else out[p]) * win)
+        wins.append(first_wins if children[p][0] == i else (1 - first_wins) * chances[i])
+    return reaches(tree, wins)
+
+
+def reaches(tree: DraftTree, wins: Sequence[float]) -> list[float]:
+    """Each node's chance to be accepted: its parent's times `wins[i]`, its chance to win
+    where its parent is reached (parents come first in depth-first order)."""
+    out: list[float] = []
+    for i, p in enumerate(tree.parents):
+        out.append((1.0 if p == ROOT else out[p]) * wins[i])
     return out
 
 
