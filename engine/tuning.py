@@ -845,14 +845,21 @@ class DraftPolicy:
                 speed.last_step = self.memory.steps
             if self.costs is not None and width and choice.drafter is not None:
                 # priced at the width it ran at, before this timing corrects the table
-                priced = (self.costs.verify(width, width)
-                          + choice.k * self.costs.draft_s.get(choice.drafter, 0.0))
+                pass_price = self.costs.verify(width, width)
+                priced = pass_price + choice.k * self.costs.draft_s.get(choice.drafter, 0.0)
+                # the pass itself is the table's to learn (below): the step is counted with
+                # its pass at the table's price. Counted whole, every slow or under-priced
+                # pass was charged twice, by the table and by the factor: a head's first
+                # ten steps, while live passes corrected the calibrated widths, set its
+                # factor to 1.3-1.5 where it settles at ~1.0, and in one run of nine it
+                # sat out ~150 steps
+                table_learns = seconds is not None and self.fixed_k is None
+                took = step_seconds - seconds + pass_price if table_learns else step_seconds
                 overhead = self.memory.overheads.setdefault(choice.drafter, StepOverhead())
                 # a slow moment counts at most SLOW_CLIP over the factor so far, as a slow
                 # pass does in the cost table: two 2x steps raised a head's factor ~20%,
                 # enough to stop it, and a factor only its own steps move stays there
-                overhead.add(slow_capped(step_seconds, priced * max(overhead.factor, 1.0)),
-                             priced)
+                overhead.add(slow_capped(took, priced * max(overhead.factor, 1.0)), priced)
         if choice.estimate is not None:
             self.estimates.setdefault(choice.estimate, AcceptanceEstimate(0.5)).update(
                 n_drafted, n_accepted)

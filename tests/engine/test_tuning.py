@@ -1101,6 +1101,31 @@ def test_update_times_each_drafting_step_against_its_price() -> None:
     assert policy.memory.overheads["head"].factor == pytest.approx(0.0143 / (0.0128 + 0.001))
 
 
+def test_slow_passes_are_the_tables_to_learn_not_the_drafters_factor() -> None:
+    """A head's first steps whose passes run 1.4x the table's price (its widths not yet
+    corrected by live timings) while its drafting takes what it was priced at: the table
+    learns the passes, and the overhead factor, which prices only what the table cannot
+    see, stays at 1, so the head keeps drafting. Negative control: its passes under a
+    pinned K, where the table learns nothing, count whole in the factor."""
+    def steps(policy: DraftPolicy) -> None:
+        for _ in range(6):
+            price = policy.costs.verify(3, 3)
+            draft = 2 * policy.costs.draft_s["head"]
+            policy.update(Choice("head", 2, "head"), 3, 1, 1.4 * price, 3,
+                          1.4 * price + draft, 2)
+
+    policy = head_policy(0.4)
+    table_before = policy.costs.verify(3, 3)
+    steps(policy)
+    assert policy.costs.verify(3, 3) > 1.15 * table_before  # the table learned the passes
+    assert policy.memory.overheads["head"].factor == pytest.approx(1.0)
+    assert policy.choose(FRESH).drafter == "head"
+    pinned = head_policy(0.4)
+    pinned.fixed_k = 2
+    steps(pinned)
+    assert pinned.memory.overheads["head"].factor > 1.3
+
+
 def test_a_catch_up_prices_the_recheck_not_the_drafters_steps() -> None:
     """A recheck whose head first caught up on 100 plain steps' positions: its step, timed
     at its price, leaves the overhead factor at 1 and the realized record at the step's
