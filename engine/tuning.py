@@ -851,7 +851,7 @@ class DraftPolicy:
                 # its pass at the table's price. Counted whole, every slow or under-priced
                 # pass was charged twice, by the table and by the factor: a head's first
                 # ten steps, while live passes corrected the calibrated widths, set its
-                # factor to 1.3-1.5 where it settles at ~1.0, and in one run of nine it
+                # factor to 1.1-1.5 where it settles at ~1.0, and in one run of nine it
                 # sat out ~150 steps
                 table_learns = seconds is not None and self.fixed_k is None
                 took = step_seconds - seconds + pass_price if table_learns else step_seconds
