@@ -75,8 +75,8 @@ def measure(target, options, root: Path | None = None,
     for _ in session.generate([{"role": "user", "content": PROMPT}],
                               GenerateOptions(max_tokens=64, drafter=drafter)):
         pass
+    reset_peak()  # then read: the peak starts from the resident size at the reset
     before, _ = resident_mb()
-    reset_peak()
     step = 0
     for progress in train_drafter(target, options, root=root):
         step = progress.step

@@ -34,7 +34,9 @@ def test_what_a_job_adds_is_measured_over_the_process_before_it(tmp_path: Path) 
 
     grown = measure(target, options, root=tmp_path / "b", during=hold)
     assert plain.step == grown.step == 6
-    assert plain.before_mb > 50 and plain.peak_mb >= plain.before_mb
+    # the kernel batches its resident counters per thread: a peak may read a page or two
+    # under the size read after the reset
+    assert plain.before_mb > 50 and plain.peak_mb >= plain.before_mb - 1
     assert plain.added_mb < ALLOCATED_MB / 2
     assert grown.added_mb >= ALLOCATED_MB
     assert f"training added {plain.added_mb:.0f} MB" in plain.line()
