@@ -66,10 +66,10 @@ def measure(target, options, root: Path | None = None,
     (a `LoadedModel`) into `root` (the head folder by default); `during` runs after each of
     the job's reports (tests allocate there)."""
     from engine.decode import ChatSession, GenerateOptions
-    from engine.drafters.head_io import usable_head
+    from engine.drafters.head_io import head_for_drafter
     from engine.training.job import train_drafter
 
-    head = usable_head(target, lambda message: print(f"warning: {message}", file=sys.stderr))
+    head = head_for_drafter(target, "auto")  # as a chat with `auto` carries it
     session = ChatSession(target, head=head)
     drafter = "auto" if head is not None else "none"
     for _ in session.generate([{"role": "user", "content": PROMPT}],
@@ -87,7 +87,8 @@ def measure(target, options, root: Path | None = None,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.train_memory",
-                                     description=__doc__.splitlines()[0])
+                                     description="what a drafter training job adds to the resident "
+                                     "memory of a process holding the model and a chat")
     parser.add_argument("--model", default="demo")
     parser.add_argument("--minutes", type=float, default=5.0)
     args = parser.parse_args(argv)
