@@ -50,6 +50,7 @@ from engine.training.fit import (
     batch_rows,
     cooldown_scale,
     label_counts,
+    logsumexp_last,
     loss_fn,
     make_batch,
     staged_value_and_grad,
@@ -114,6 +115,28 @@ def test_host_topk_is_the_device_topk() -> None:
     shifted = np.array(mx.argsort(-logits, axis=-1)[..., 1:TOP_K + 1])
     with pytest.raises(AssertionError):
         assert_same_distribution(shifted[0], got_p[0], got_ids[0], got_p[0])
+
+
+def test_the_host_logsumexp_and_its_gradient_are_the_device_ones() -> None:
+    """The loss's logsumexp on the CPU backend (numpy's exponentials, forward and
+    backward) gives MLX's value and gradient to float rounding, inside a gradient
+    transform as training takes it."""
+    logits = mx.random.normal((2, 7, 4096), key=mx.random.key(3)) * 6
+    weights = mx.random.uniform(shape=(2, 7, 1), key=mx.random.key(4))
+
+    def loss(lse):
+        return lambda x: mx.sum(weights * lse(x))
+
+    device = lambda x: mx.logsumexp(x, axis=-1, keepdims=True)  # noqa: E731
+    want, want_grad = mx.value_and_grad(loss(device))(logits)
+    got, got_grad = mx.value_and_grad(loss(logsumexp_last))(logits)
+    assert logsumexp_last(logits).shape == (2, 7, 1)
+    assert float(got.item()) == pytest.approx(float(want.item()), rel=1e-6)
+    assert mx.allclose(got_grad, want_grad, atol=1e-7, rtol=1e-4)
+    assert float(mx.abs(want_grad).max().item()) > 1e-3
+    # negative control: the gradient of a logsumexp over other logits is not this one
+    _, other = mx.value_and_grad(loss(logsumexp_last))(logits * 1.01)
+    assert not mx.allclose(other, want_grad, atol=1e-7, rtol=1e-4)
 
 
 def test_host_sampling_draws_from_the_tempered_distribution() -> None:
