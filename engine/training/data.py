@@ -164,9 +164,32 @@ def host_topk_probs(logits: mx.array, k: int) -> tuple[np.ndarray, np.ndarray]:
     e = np.subtract(x, top, out=scratch("topk.exp", x.shape, np.float32))
     np.exp(e, out=e)
     lse = top + np.log(e.sum(axis=-1, keepdims=True))
-    ids = np.argpartition(x, V - k, axis=-1)[..., V - k :]
+    ids = top_k_ids(x, k)
     p = np.exp(np.take_along_axis(x, ids, axis=-1) - lse)
-    return ids.astype(np.int32), p.astype(np.float32)
+    return ids, p.astype(np.float32)
+
+
+def top_k_ids(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids (int32, in no order) of the `k` largest values along the last axis, the set
+    `np.argpartition` finds, from a few candidates per row.
+
+    Why: `argpartition` over a data batch's 16 rows of the demo's 49k logits took ~6 of
+    the ~7 ms of `host_topk_probs`. Cut a row into at least 8k blocks: the k-th largest
+    block maximum is at most the row's k-th largest value (k blocks each hold one at least
+    that large), so every top-k value is at or above it, and the rows' candidates there
+    are a few dozen."""
+    V = x.shape[-1]
+    rows = x.reshape(-1, V)
+    size = V // (8 * k)
+    if size < 2:
+        return np.argpartition(x, V - k, axis=-1)[..., V - k :].astype(np.int32)
+    block_max = np.maximum.reduceat(rows, np.arange(0, V, size), axis=-1)
+    floor = np.partition(block_max, block_max.shape[-1] - k, axis=-1)[:, -k]
+    out = np.empty((rows.shape[0], k), dtype=np.int32)
+    for r, (row, least) in enumerate(zip(rows, floor, strict=True)):
+        cand = np.flatnonzero(row >= least)
+        out[r] = cand[np.argpartition(row[cand], cand.size - k)[cand.size - k :]]
+    return out.reshape(*x.shape[:-1], k)
 
 
 def host_sample(logits: mx.array, temperature: float, rng: np.random.Generator) -> list[int]:
@@ -177,10 +200,21 @@ def host_sample(logits: mx.array, temperature: float, rng: np.random.Generator) 
                     out=scratch("sample.exp", tuple(logits.shape), np.float32))
     x -= x.max(axis=-1, keepdims=True)
     np.exp(x, out=x)
-    cdf = np.cumsum(x, axis=-1, dtype=np.float64)
-    u = rng.random(len(cdf)) * cdf[:, -1]
-    return [min(int(np.searchsorted(c, v, side="right")), len(c) - 1)
-            for c, v in zip(cdf, u, strict=True)]
+    # the CDF in two levels, blocks of ~sqrt(V) columns then the chosen block's columns:
+    # one float64 cumulative sum over every column took ~2.6 of the ~6 ms for 16 rows
+    V = x.shape[-1]
+    size = max(int(np.sqrt(V)), 1)
+    starts = np.arange(0, V, size)
+    blocks = np.cumsum(np.add.reduceat(x, starts, axis=-1, dtype=np.float64), axis=-1)
+    u = rng.random(len(blocks)) * blocks[:, -1]
+    out = []
+    for row, cdf, v in zip(x, blocks, u, strict=True):
+        j = min(int(np.searchsorted(cdf, v, side="right")), len(cdf) - 1)
+        part = row[starts[j]:starts[j] + size]
+        inner = np.cumsum(part, dtype=np.float64) + (cdf[j - 1] if j else 0.0)
+        out.append(int(starts[j]) + min(int(np.searchsorted(inner, v, side="right")),
+                                        part.size - 1))
+    return out
 
 
 def _pass(model, ids: mx.array, mask: mx.array | None, caches, layers: Sequence[int]):

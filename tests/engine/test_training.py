@@ -42,6 +42,7 @@ from engine.training.data import (
     read_positions,
     read_samples,
     save_shard,
+    top_k_ids,
     topk_probs,
 )
 from engine.training.fit import (
@@ -139,6 +140,23 @@ def test_the_host_logsumexp_and_its_gradient_are_the_device_ones() -> None:
     assert not mx.allclose(other, want_grad, atol=1e-7, rtol=1e-4)
 
 
+def test_top_k_ids_are_the_largest_values() -> None:
+    """The candidates' top-k holds the k largest values of each row, as a full
+    `argpartition` does: rows of the demo's vocabulary size, one nearly constant (ties
+    everywhere), one with most columns -inf. Negative control: the 17th largest is not in."""
+    x = np.array(mx.random.normal((6, 49152), key=mx.random.key(9)) * 3)
+    x[1] = np.round(x[1] / 10)  # a handful of distinct values
+    x[2, 100:] = -np.inf
+    ids = top_k_ids(x, TOP_K)
+    assert ids.shape == (6, TOP_K) and ids.dtype == np.int32
+    want = np.sort(np.partition(x, -TOP_K, axis=-1)[:, -TOP_K:], axis=-1)
+    got = np.sort(np.take_along_axis(x, ids, axis=-1), axis=-1)
+    assert np.array_equal(got, want)
+    assert all(len(set(row)) == TOP_K for row in ids.tolist())
+    seventeenth = np.argsort(-x[0])[TOP_K]
+    assert seventeenth not in ids[0]
+
+
 def test_host_sampling_draws_from_the_tempered_distribution() -> None:
     """Frequencies of 40,000 draws (seed fixed) against softmax(logits / T), a total
     variation under 0.02 chosen in advance (its standard error here is ~0.003); the same
@@ -158,6 +176,26 @@ def test_host_sampling_draws_from_the_tempered_distribution() -> None:
     assert 0.5 * np.abs(freq - untempered).sum() > 0.02
     a, b = np.random.default_rng(11), np.random.default_rng(11)
     assert host_sample(logits, T, a) == host_sample(logits, T, b)
+
+
+def test_host_sampling_in_blocks_is_the_one_level_inverse_cdf() -> None:
+    """Over a 5,000-token vocabulary the two-level draw (blocks, then the chosen block's
+    columns) picks the token a single float64 CDF over every column picks for the same
+    uniform numbers. Negative control: other uniforms pick other tokens."""
+    logits = mx.random.normal((64, 5000), key=mx.random.key(5)) * 3
+    logits = mx.where(mx.arange(5000) % 71 == 0, -mx.inf, logits)
+    T = 0.7
+
+    def one_level(seed: int) -> list[int]:
+        x = np.exp((np.array(logits) - np.array(logits).max(-1, keepdims=True)) / T)
+        cdf = np.cumsum(x, axis=-1, dtype=np.float64)
+        u = np.random.default_rng(seed).random(64) * cdf[:, -1]
+        return [int(np.searchsorted(c, v, side="right")) for c, v in zip(cdf, u, strict=True)]
+
+    got = host_sample(logits, T, np.random.default_rng(21))
+    assert got == one_level(21)
+    assert all(t % 71 for t in got)
+    assert sum(a != b for a, b in zip(got, one_level(22), strict=True)) > 32
 
 
 def _builtin_rows() -> list[dict]:
